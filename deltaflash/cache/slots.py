@@ -1,0 +1,61 @@
+"""The slot pool: persistent per-sequence state of the target model.
+
+One slot owns one live sequence: GDN conv history and fp32 recurrent state for every GDN layer, and
+the attention K/V of every full-attention layer. Admission resets a slot, retirement frees it;
+no state is ever shared between slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaflash.config import ModelConfig
+from deltaflash.errors import SlotsExhaustedError
+
+
+class SlotPool:
+    """Tensors (S slots, G GDN layers, A attention layers, C conv channels, K conv taps):
+        conv_history    [S, G, C, K-1]            activation dtype
+        recurrent_state [S, G, nv, dk, dv]        fp32
+        key_cache       [S, A, max_len, nkv, hd]  activation dtype (zeros until written)
+        value_cache     [S, A, max_len, nkv, hd]
+    `lengths[slot]` is the number of committed positions (host ints: read without a device sync).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device):
+        G, A = len(cfg.gdn_layer_ids), len(cfg.attn_layer_ids)
+        self.num_slots, self.max_len = num_slots, max_len
+        self.conv_history = torch.zeros(num_slots, G, cfg.conv_channels, cfg.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(
+            num_slots, G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            dtype=torch.float32, device=device,
+        )
+        kv_shape = (num_slots, A, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.key_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.value_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_live(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def admit(self) -> int:
+        """Take a free slot and reset every part of it."""
+        if not self._free:
+            raise SlotsExhaustedError(f"all {self.num_slots} slots hold live sequences; retire one or raise --max-concurrency")
+        slot = self._free.pop()
+        self.conv_history[slot].zero_()
+        self.recurrent_state[slot].zero_()
+        self.lengths[slot] = 0  # K/V past the length are never read
+        return slot
+
+    def retire(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not live")
+        self.lengths[slot] = 0
+        self._free.append(slot)

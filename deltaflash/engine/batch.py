@@ -1,0 +1,109 @@
+"""Data that flows between the stages of a step: small frozen dataclasses, shapes in docstrings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExtendBatch:
+    """Rows that extend sequences and write their state (prefill chunks and plain decode).
+
+    input_ids [L, T] long, positions [L, T] long (start + t); slot_ids [L] long on the device
+    (-1 = padding lane: reads zeros, writes nothing); n_rows [L] long on the device (valid rows,
+    first in each lane). `*_host` mirror them as Python ints so no step syncs to read them.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_ids: torch.Tensor
+    n_rows: torch.Tensor
+    slot_ids_host: tuple[int, ...]
+    n_rows_host: tuple[int, ...]
+    start_host: tuple[int, ...]
+
+    @property
+    def num_lanes(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, lanes: list[tuple[int, int, list[int]]], device, pad_lanes_to: int | None = None) -> "ExtendBatch":
+        """lanes: (slot, start position, token ids). Padded to the longest lane (and to
+        `pad_lanes_to` lanes with padding lanes of slot -1)."""
+        T = max(len(ids) for _, _, ids in lanes)
+        L = max(len(lanes), pad_lanes_to or 0)
+        ids = torch.zeros(L, T, dtype=torch.long)
+        pos = torch.zeros(L, T, dtype=torch.long)
+        slots, n_rows, starts = [-1] * L, [0] * L, [0] * L
+        for i, (slot, start, toks) in enumerate(lanes):
+            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            pos[i] = start + torch.arange(T)
+            slots[i], n_rows[i], starts[i] = slot, len(toks), start
+        return cls(
+            input_ids=ids.to(device),
+            positions=pos.to(device),
+            slot_ids=torch.tensor(slots, dtype=torch.long).to(device),
+            n_rows=torch.tensor(n_rows, dtype=torch.long).to(device),
+            slot_ids_host=tuple(slots),
+            n_rows_host=tuple(n_rows),
+            start_host=tuple(starts),
+        )
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """One verify forward: every lane contributes W rows `[anchor, d1..d_{W-1}]` forming a tree.
+
+    input_ids [L, W] long; parents [L, W] long (parents[:, 0] = -1, parents[n] < n; a chain is n-1);
+    depth [L, W] long (root 0); positions [L, W] = start + depth; slot_ids [L] long (-1 padding).
+    Row n of a lane is stored in the attention cache at start + n (a chain: at its own position).
+    """
+
+    input_ids: torch.Tensor
+    parents: torch.Tensor
+    positions: torch.Tensor
+    slot_ids: torch.Tensor
+    start: torch.Tensor
+    slot_ids_host: tuple[int, ...]
+    start_host: tuple[int, ...]
+
+    @property
+    def num_lanes(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """What verify produced, read-only state untouched.
+
+    logits [L, W, V] fp32; taps [L, W, n_taps * H] (hidden states after the tap layers, or None);
+    conv_windows [G, L, C, K-1+W] (history | rows, per GDN layer); replay_log [G, L, W, nv, 1+dk+dv]
+    fp32 ([gamma, k, delta] per row and value head).
+    """
+
+    logits: torch.Tensor
+    taps: torch.Tensor | None
+    conv_windows: torch.Tensor
+    replay_log: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """Which verify rows become part of each lane's sequence.
+
+    slot_ids [L] long (-1 padding); accepted_nodes [L, W] long (node ids of the accepted path in token
+    order; a chain is arange); accepted_len [L] long in 0..W (rows committed, bonus anchor included).
+    """
+
+    slot_ids: torch.Tensor
+    accepted_nodes: torch.Tensor
+    accepted_len: torch.Tensor
+    slot_ids_host: tuple[int, ...]
+    accepted_len_host: tuple[int, ...]
+    start_host: tuple[int, ...]

@@ -1,0 +1,54 @@
+"""Gated full attention with partial RoPE and GQA over the slot pool's per-slot K/V cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaflash.cache.slots import SlotPool
+from deltaflash.config import ModelConfig
+from deltaflash.models.layers import ZeroCenteredRMSNorm, apply_rope
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_index: int):
+        super().__init__()
+        self.attn_index = attn_index  # index into the pool's attention layer dim
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.nh * self.hd * 2, bias=bias)  # per head [q | gate]
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, slot_ids, store_index, visible, pool: SlotPool, write_rows):
+        """x [L, T, H]; rope (cos, sin) [L, T, rd]; slot_ids [L] (-1 padding);
+        store_index [L, T] cache row where each row's K/V is stored; visible [L, T, Kmax] bool mask
+        over cache rows 0..Kmax-1; write_rows: (lane index [N], row index [N]) of rows to store.
+        Returns [L, T, H]."""
+        L, T, _ = x.shape
+        a_i = self.attn_index
+        q, gate = self.q_proj(x).unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), *rope)
+        k = apply_rope(self.k_norm(self.k_proj(x).unflatten(-1, (self.nkv, self.hd))), *rope)
+        v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+
+        lane, row = write_rows
+        slot, pos = slot_ids[lane], store_index[lane, row]
+        pool.key_cache[slot, a_i, pos] = k[lane, row].to(pool.key_cache.dtype)
+        pool.value_cache[slot, a_i, pos] = v[lane, row].to(pool.value_cache.dtype)
+
+        kmax = visible.shape[-1]
+        read = slot_ids.clamp(min=0)
+        keys = pool.key_cache[read, a_i, :kmax].transpose(1, 2)  # [L, nkv, Kmax, hd]
+        values = pool.value_cache[read, a_i, :kmax].transpose(1, 2)
+        rep = self.nh // self.nkv
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None], scale=self.hd ** -0.5)
+        out = out.transpose(1, 2).flatten(-2) * torch.sigmoid(gate.flatten(-2))
+        return self.o_proj(out)

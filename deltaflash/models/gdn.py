@@ -1,0 +1,110 @@
+"""Gated DeltaNet mixer: extend (prefill / decode, writes state) and verify (read-only, replay log)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaflash.cache.slots import SlotPool
+from deltaflash.config import ModelConfig
+from deltaflash.engine.batch import ExtendBatch, VerifyBatch
+from deltaflash.models.layers import GatedRMSNorm
+from deltaflash.ops.conv.extend import causal_conv_extend
+from deltaflash.ops.gdn.chunk import (
+    chunk_gated_delta_rule_varlen,
+    gdn_gates,
+    l2_normalize,
+    recurrent_gated_delta_step_ref,
+)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, gdn_index: int):
+        super().__init__()
+        self.gdn_index = gdn_index  # index into the pool's GDN layer dim
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        C, H = cfg.conv_channels, cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, self.nv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(H, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(H, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(C, C, cfg.conv_kernel, groups=C, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.nv * self.dv, H, bias=False)
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0, :]  # [C, K]
+
+    def _split_qkv(self, x: torch.Tensor):
+        """x [..., C] -> q, k [..., nk, dk], v [..., nv, dv] (views)."""
+        kd = self.nk * self.dk
+        q, k, v = x.split([kd, kd, self.nv * self.dv], dim=-1)
+        return (q.unflatten(-1, (self.nk, self.dk)), k.unflatten(-1, (self.nk, self.dk)),
+                v.unflatten(-1, (self.nv, self.dv)))
+
+    def _qk_for_values(self, q, k):
+        """Normalise q, k in fp32 (q scaled by dk^-0.5) and repeat key heads for their value heads."""
+        q = l2_normalize(q) * self.dk ** -0.5
+        k = l2_normalize(k)
+        rep = self.nv // self.nk
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+        return q, k
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o [..., nv, dv], z [..., nv*dv] -> out_proj(gated norm)."""
+        o = self.norm(o.to(z.dtype), z.unflatten(-1, (self.nv, self.dv)))
+        return self.out_proj(o.flatten(-2))
+
+    def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool) -> torch.Tensor:
+        """x [L, T, H] normed hidden. Reads and writes the lanes' conv history and recurrent state."""
+        L, T, _ = x.shape
+        g_i = self.gdn_index
+        lanes = [i for i, s in enumerate(batch.slot_ids_host) if s >= 0]
+        lane_idx = torch.tensor(lanes, dtype=torch.long, device=x.device)
+        slot_idx = batch.slot_ids[lane_idx]
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+
+        history = torch.zeros(L, *pool.conv_history.shape[2:], dtype=pool.conv_history.dtype, device=x.device)
+        history[lane_idx] = pool.conv_history[slot_idx, g_i]
+        conv_out, new_history = causal_conv_extend(qkv, history, self.conv_weight, batch.n_rows)
+        pool.conv_history[slot_idx, g_i] = new_history[lane_idx].to(pool.conv_history.dtype)
+
+        q, k, v = self._split_qkv(conv_out)
+        q, k = self._qk_for_values(q, k)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        state = pool.recurrent_state[slot_idx, g_i]  # gathered copy [L', nv, dk, dv]
+        o = torch.zeros(L, T, self.nv, self.dv, dtype=torch.float32, device=x.device)
+        if T == 1:
+            o[lane_idx, 0] = recurrent_gated_delta_step_ref(
+                q[lane_idx, 0], k[lane_idx, 0], v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state)
+        else:
+            lens = [batch.n_rows_host[i] for i in lanes]
+            rows = [(i, n) for i, n in zip(lanes, lens)]
+            pack = lambda t: torch.cat([t[i, :n] for i, n in rows])  # noqa: E731
+            o_packed, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(g), pack(beta), state, lens)
+            row = 0
+            for i, n in rows:
+                o[i, :n] = o_packed[row:row + n]
+                row += n
+        pool.recurrent_state[slot_idx, g_i] = state
+        return self._output(o, z)
+
+    def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, verify_ops):
+        """x [L, W, H]. Persistent state is read only. Returns (out [L, W, H], window [L, C, K-1+W],
+        replay_log [L, W, nv, 1+dk+dv])."""
+        g_i = self.gdn_index
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        conv_out, window = verify_ops.conv_tree_step(
+            qkv, pool.conv_history[:, g_i], batch.slot_ids, batch.parents, self.conv_weight)
+        q, k, v = self._split_qkv(conv_out)
+        o, replay_log = verify_ops.gdn_verify(
+            q, k, v, a, b, self.A_log, self.dt_bias, pool.recurrent_state[:, g_i], batch.slot_ids, batch.parents)
+        return self._output(o, z), window, replay_log

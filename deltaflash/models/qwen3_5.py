@@ -1,0 +1,145 @@
+"""The Qwen3.5 target model (dense and MoE) over the slot pool.
+
+Two forwards share the layers:
+- `extend`: prefill chunks and plain decode rows; GDN and attention state are written.
+- `verify`: W rows per lane forming a tree; persistent GDN state is only read, and the forward
+  returns the conv windows and replay log that a later commit uses (DESIGN.md §2-3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaflash.cache.slots import SlotPool
+from deltaflash.config import ModelConfig
+from deltaflash.engine.batch import ExtendBatch, VerifyBatch, VerifyOutput
+from deltaflash.models.attention import GatedAttention
+from deltaflash.models.gdn import GatedDeltaNet
+from deltaflash.models.layers import SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.is_gdn = cfg.layer_types[layer_id] == "linear_attention"
+        if self.is_gdn:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.gdn_layer_ids.index(layer_id))
+        else:
+            self.self_attn = GatedAttention(cfg, cfg.attn_layer_ids.index(layer_id))
+        if cfg.is_moe:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen35Model(nn.Module):
+    """Parameter names are those of the checkpoint's text stack without its `model.` prefix."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on [..., H] -> fp32 [..., V]."""
+        return torch.nn.functional.linear(self.norm(hidden), self.lm_head_weight).float()
+
+    def _run_layers(self, x, attend, gdn, tap_layer_ids):
+        taps = []
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + (gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in tap_layer_ids:
+                taps.append(x)
+        return x, (torch.cat(taps, dim=-1) if taps else None)
+
+    @torch.inference_mode()
+    def extend(self, batch: ExtendBatch, pool: SlotPool, tap_layer_ids=(), all_logits: bool = False):
+        """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
+        taps [L, T, n_taps*H] or None)."""
+        L, T = batch.input_ids.shape
+        device = batch.input_ids.device
+        x = self.embed_tokens(batch.input_ids)
+        rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        kmax = max(s + n for s, n in zip(batch.start_host, batch.n_rows_host))
+        keys = torch.arange(kmax, device=device)
+        visible = keys.view(1, 1, kmax) <= batch.positions[..., None]
+        visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
+        lanes = [i for i, s in enumerate(batch.slot_ids_host) if s >= 0]
+        lane = torch.tensor([i for i in lanes for _ in range(batch.n_rows_host[i])], dtype=torch.long, device=device)
+        row = torch.tensor([t for i in lanes for t in range(batch.n_rows_host[i])], dtype=torch.long, device=device)
+
+        attend = lambda attn, h: attn(h, rope, batch.slot_ids, batch.positions, visible, pool, (lane, row))  # noqa: E731
+        gdn = lambda mixer, h: mixer.extend(h, batch, pool)  # noqa: E731
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
+        for i in lanes:
+            pool.lengths[batch.slot_ids_host[i]] = batch.start_host[i] + batch.n_rows_host[i]
+        if all_logits:
+            return self.logits(x), taps
+        last = (batch.n_rows - 1).clamp(min=0)
+        return self.logits(x[torch.arange(L, device=device), last]), taps
+
+    @torch.inference_mode()
+    def verify(self, batch: VerifyBatch, pool: SlotPool, verify_ops, tap_layer_ids=()) -> VerifyOutput:
+        """All lanes' W rows in one forward. GDN state is read only; attention K/V of row n is
+        written at start + n (past the committed length, so harmless until commit)."""
+        L, W = batch.input_ids.shape
+        device = batch.input_ids.device
+        x = self.embed_tokens(batch.input_ids)
+        rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        store = batch.start[:, None] + torch.arange(W, device=device)
+        kmax = max(batch.start_host) + W
+        keys = torch.arange(kmax, device=device).view(1, 1, kmax)
+        in_block = keys - batch.start.view(L, 1, 1)  # node index of a key row inside the block
+        ancestors = _ancestor_mask(batch.parents)  # [L, W, W]
+        block_visible = ancestors.gather(2, in_block.clamp(0, W - 1).expand(L, W, kmax))
+        visible = (in_block < 0) | ((in_block < W) & block_visible)
+        visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
+        lanes = [i for i, s in enumerate(batch.slot_ids_host) if s >= 0]
+        lane = torch.tensor(lanes, dtype=torch.long, device=device).repeat_interleave(W)
+        row = torch.arange(W, device=device).repeat(len(lanes))
+
+        windows, logs = [], []
+
+        def gdn(mixer, h):
+            out, window, log = mixer.verify(h, batch, pool, verify_ops)
+            windows.append(window)
+            logs.append(log)
+            return out
+
+        attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, (lane, row))  # noqa: E731
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
+        return VerifyOutput(logits=self.logits(x), taps=taps,
+                            conv_windows=torch.stack(windows), replay_log=torch.stack(logs))
+
+
+def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [L, W] -> [L, W, W] bool, [l, n, m] = m is n or an ancestor of n."""
+    L, W = parents.shape
+    mask = torch.eye(W, dtype=torch.bool, device=parents.device).repeat(L, 1, 1)
+    node = torch.arange(W, device=parents.device).repeat(L, 1)
+    for _ in range(W - 1):
+        node = parents.gather(1, node.clamp(min=0)).where(node >= 0, node)
+        mask.scatter_(2, node.clamp(min=0)[..., None], (node >= 0)[..., None] | mask.gather(2, node.clamp(min=0)[..., None]))
+    return mask
+
+
+def _pad_lanes_see_one_key(visible: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Padding lanes read nothing meaningful; give them one visible key so softmax stays finite."""
+    pad = (slot_ids < 0).view(-1, 1, 1)
+    first = torch.zeros_like(visible)
+    first[..., 0] = True
+    return torch.where(pad, first, visible)

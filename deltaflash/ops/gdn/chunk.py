@@ -1,0 +1,95 @@
+"""Chunked gated delta rule for prefill: the torch reference, and fla-core's kernel on CUDA.
+
+Math (per value head, one chunk of C rows, S0 the state entering the chunk, G_t the cumulative log
+decay inside the chunk, Gam_t = exp(G_t)):
+    delta = T (beta * V) - T (beta * Gam * K) S0,   T = (I + A)^-1,
+    A[t, s] = beta_t exp(G_t - G_s) <k_t, k_s>      for s < t (strictly lower),
+    o_t     = Gam_t S0^T q_t + sum_{s<=t} exp(G_t - G_s) <q_t, k_s> delta_s,
+    S_C     = Gam_C S0 + sum_s exp(G_C - G_s) k_s delta_s^T.
+This is the same recurrence as the per-token step (see README.md), regrouped into matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
+    """One sequence. q, k: [T, H, dk] (normalised, q scaled); v: [T, H, dv]; g, beta: [T, H] fp32;
+    initial_state: [H, dk, dv] fp32. Returns (o [T, H, dv] fp32, final_state [H, dk, dv] fp32)."""
+    T = q.shape[0]
+    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, T, d]
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H, T]
+    state = initial_state.float().clone()
+    out = torch.empty_like(v)
+    for t0 in range(0, T, chunk):
+        sl = slice(t0, min(t0 + chunk, T))
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
+        cum = g[:, sl].cumsum(-1)  # [H, C]
+        n = cum.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, C, C]
+        strict = decay.masked_fill(torch.eye(n, dtype=torch.bool, device=q.device), 0.0)
+        a = bc[:, :, None] * strict * (kc @ kc.transpose(-1, -2))
+        eye = torch.eye(n, device=q.device).expand_as(a)
+        tri = eye + a
+        u = torch.linalg.solve_triangular(tri, bc[..., None] * vc, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(tri, (bc * cum.exp())[..., None] * kc, upper=False, unitriangular=True)
+        delta = u - w @ state  # [H, C, dv]
+        out[:, sl] = cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ delta
+        tail = (cum[:, -1:] - cum).exp()  # [H, C]
+        state = cum[:, -1].exp()[:, None, None] * state + (kc * tail[..., None]).transpose(-1, -2) @ delta
+    return out.transpose(0, 1), state
+
+
+def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: list[int]):
+    """Several sequences packed along rows. q, k: [N, H, dk]; v: [N, H, dv]; g, beta: [N, H];
+    initial_states: [B, H, dk, dv] fp32; seq_lens: host list of B row counts summing to N.
+    Returns (o [N, H, dv] fp32, final_states [B, H, dk, dv] fp32). Uses fla-core on CUDA."""
+    if q.is_cuda:
+        return _fla_varlen(q, k, v, g, beta, initial_states, seq_lens)
+    outs, finals, row = [], [], 0
+    for i, n in enumerate(seq_lens):
+        o, s = chunk_gated_delta_rule_ref(q[row:row + n], k[row:row + n], v[row:row + n],
+                                          g[row:row + n], beta[row:row + n], initial_states[i])
+        outs.append(o)
+        finals.append(s)
+        row += n
+    return torch.cat(outs), torch.stack(finals)
+
+
+def _fla_varlen(q, k, v, g, beta, initial_states, seq_lens):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu = torch.tensor([0] + list(seq_lens), device=q.device).cumsum(0)
+    o, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
+        scale=1.0, initial_state=initial_states.contiguous(), output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
+    )
+    return o[0].float(), final.float()
+
+
+def recurrent_gated_delta_step_ref(q, k, v, g, beta, state):
+    """One row per lane, state updated in place. q, k: [L, H, dk] fp32 (normalised, q scaled);
+    v: [L, H, dv] fp32; g, beta: [L, H] fp32; state: [L, H, dk, dv] fp32. Returns o [L, H, dv] fp32."""
+    gamma = g.exp()[..., None, None]
+    decayed = gamma * state
+    delta = beta[..., None] * (v - (decayed * k[..., None]).sum(-2))
+    state.copy_(decayed + k[..., None] * delta[..., None, :])
+    return (state * q[..., None]).sum(-2)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fp32 `x * rsqrt(sum(x^2) + eps)` over the last dim."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias) (log decay <= 0), beta = sigmoid(b); fp32 [..., nv]."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()

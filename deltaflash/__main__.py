@@ -1,0 +1,5 @@
+import sys
+
+from deltaflash.cli import main
+
+sys.exit(main())

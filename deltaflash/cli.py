@@ -1,0 +1,131 @@
+"""Command line: `deltaflash generate | serve | bench | demo | train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from deltaflash.errors import DeltaflashError
+
+BUNDLED = Path(__file__).parent / "assets" / "demo"
+
+
+def _default_model(args) -> None:
+    """Use the bundled demo pair when no --model is given."""
+    if args.model is None:
+        args.model = str(BUNDLED / "target")
+        if getattr(args, "draft", None) is None and (BUNDLED / "draft").is_dir():
+            args.draft = str(BUNDLED / "draft")
+    if not Path(args.model, "config.json").is_file():
+        raise DeltaflashError(f"--model {args.model}: no config.json there (give a Hugging Face checkpoint folder)")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint folder of the target (default: the bundled demo pair)")
+    p.add_argument("--draft", help="DFlash / DFlash2 drafter folder (enables speculative decoding)")
+    p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_engine(args, max_slots: int = 1, progress: bool = True):
+    import torch
+
+    from deltaflash.engine.engine import Engine
+
+    _default_model(args)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
+                                  max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size)
+
+
+def cmd_generate(args) -> int:
+    from deltaflash.engine.request import SamplingParams
+    from deltaflash.tokenizer import encode_chat, encode_prompt
+
+    engine = build_engine(args, progress=not args.json)
+    tok = engine.tokenizer
+    if args.prompt_ids is not None:
+        prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    elif args.chat:
+        prompt = encode_chat(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt = encode_prompt(tok, args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    (done,), elapsed = engine.generate([prompt], params)
+    text = tok.decode(done.token_ids) if tok is not None else None
+    stats = {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(done.token_ids),
+        "finish_reason": done.finish_reason,
+        "elapsed_s": round(elapsed, 4),
+        "tokens_per_second": round(len(done.token_ids) / elapsed, 2) if elapsed > 0 else None,
+    }
+    if engine.speculator:
+        acc = done.accepted_lengths
+        stats.update(block_size=engine.speculator.block_size, accepted_lengths=acc,
+                     mean_accepted_length=round(sum(acc) / len(acc), 3) if acc else None)
+    if args.json:
+        print(json.dumps({"token_ids": done.token_ids, "text": text, "stats": stats}))
+    else:
+        print(text if text is not None else " ".join(map(str, done.token_ids)))
+        print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deltaflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate for one prompt")
+    _engine_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text (tokenized as /v1/completions does)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids (no tokenizer needed)")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template to --prompt (as /v1/chat/completions)")
+    _sampling_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object {token_ids, text, stats}")
+    gen.set_defaults(func=cmd_generate)
+
+    for register in _optional_commands():
+        register(sub)
+    args = parser.parse_args(argv)
+    if getattr(args, "chat", False) and args.prompt is None:
+        parser.error("--chat needs --prompt")
+    try:
+        return args.func(args)
+    except DeltaflashError as exc:
+        print(f"deltaflash: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _optional_commands():
+    """Subcommands living in their own modules (serve, bench, demo, train)."""
+    import importlib
+
+    for module in ("deltaflash.server.cli", "deltaflash.bench.cli", "deltaflash.demo", "deltaflash.train.cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            continue
+        yield mod.register
+
+
+if __name__ == "__main__":
+    sys.exit(main())

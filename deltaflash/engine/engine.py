@@ -1,0 +1,218 @@
+"""The engine: owns the model, the slot pool and the sequences; `step()` runs one round.
+
+A step admits waiting requests into free slots, runs one prefill chunk for sequences still reading
+their prompt, then serves every decoding sequence once: a plain decode row each, or, with a
+drafter, one speculative round (draft -> verify -> accept -> commit).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaflash.cache.slots import SlotPool
+from deltaflash.engine.batch import ExtendBatch
+from deltaflash.engine.request import (
+    Completion, SamplingParams, Sequence, Status, StepEvent, next_request_id,
+)
+from deltaflash.errors import RequestError
+from deltaflash.models.loader import default_device, default_dtype, load_model
+from deltaflash.spec.sampling import make_generator, sample_rows
+from deltaflash.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved once. max_model_len bounds prompt + generated tokens of one sequence."""
+
+    max_slots: int = 8
+    max_model_len: int = 4096
+    prefill_chunk: int = 512  # prompt tokens per step, over all prefilling sequences
+    block_size: int = 0       # speculative block W (0: the drafter's own, or no speculation)
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, drafter=None, config: EngineConfig = EngineConfig()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.cfg = model.cfg
+        param = model.embed_tokens.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.speculator = None
+        extra_rows = 0
+        if drafter is not None:
+            from deltaflash.spec.speculator import Speculator
+
+            self.speculator = Speculator(self, drafter, config)
+            extra_rows = self.speculator.block_size
+        self.pool = SlotPool(self.cfg, config.max_slots, config.max_model_len + extra_rows, self.dtype, self.device)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, draft_dir: str | Path | None = None, *, device=None,
+                        dtype: torch.dtype | None = None, progress: bool = True, **config) -> "Engine":
+        device = torch.device(device) if device is not None else default_device()
+        dtype = dtype or default_dtype(device)
+        model = load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        drafter = None
+        if draft_dir is not None:
+            from deltaflash.models.dflash import load_drafter
+
+            drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size,
+                                   target_vocab_size=model.cfg.vocab_size, target_num_layers=model.cfg.num_layers,
+                                   dtype=dtype, device=device)
+        return cls(model, load_tokenizer(model_dir), drafter, EngineConfig(**config))
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        params.validate()
+        if not prompt_ids:
+            raise RequestError("prompt must contain at least one token")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.config.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the context length {self.config.max_model_len}")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.cfg.eos_token_ids)
+        seq = Sequence(request_id or next_request_id(), [int(t) for t in prompt_ids], params, frozenset(stop),
+                       make_generator(params, self.device))
+        self.waiting.append(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; it is retired at the next step boundary."""
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                seq.cancel_requested = True
+        if request_id in self.running:
+            self.running[request_id].cancel_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        self._retire_cancelled(events)
+        while self.waiting and self.pool.num_free:
+            seq = self.waiting.popleft()
+            seq.slot, seq.status = self.pool.admit(), Status.PREFILLING
+            self.running[seq.request_id] = seq
+            if self.speculator:
+                self.speculator.admit(seq)
+        prefilling = [s for s in self.running.values() if s.status is Status.PREFILLING]
+        decoding = [s for s in self.running.values() if s.status is Status.DECODING]
+        if prefilling:
+            self._prefill(prefilling, events)
+        if decoding:
+            if self.speculator:
+                self.speculator.round(decoding, events)
+            else:
+                self._decode(decoding, events)
+            self.stats["decode_rounds"] += 1
+        return events
+
+    def _prefill(self, seqs: list[Sequence], events: list[StepEvent]) -> None:
+        budget, lanes, chunks = self.config.prefill_chunk, [], []
+        for seq in seqs:
+            n = min(len(seq.prompt_ids) - seq.num_prefilled, max(budget, 1))
+            if n <= 0 or (budget <= 0 and lanes):
+                break
+            chunk = seq.prompt_ids[seq.num_prefilled:seq.num_prefilled + n]
+            lanes.append((seq.slot, seq.num_prefilled, chunk))
+            chunks.append((seq, n))
+            budget -= n
+        batch = ExtendBatch.build(lanes, self.device)
+        taps_ids = self.speculator.tap_layer_ids if self.speculator else ()
+        logits, taps = self.model.extend(batch, self.pool, tap_layer_ids=taps_ids)
+        if self.speculator:
+            self.speculator.append_context(batch, taps)
+        done = []
+        for lane, (seq, n) in enumerate(chunks):
+            seq.num_prefilled += n
+            self.stats["prefill_tokens"] += n
+            if seq.num_prefilled == len(seq.prompt_ids):
+                done.append(lane)
+        if done:
+            tokens = sample_rows(logits[done], [chunks[i][0].params for i in done], [chunks[i][0].generator for i in done])
+            for lane, tok in zip(done, tokens):
+                seq = chunks[lane][0]
+                seq.status = Status.DECODING
+                self.emit(seq, [tok], events)
+
+    def _decode(self, seqs: list[Sequence], events: list[StepEvent]) -> None:
+        batch = ExtendBatch.build([(s.slot, s.position, [s.pending]) for s in seqs], self.device)
+        logits, _ = self.model.extend(batch, self.pool)
+        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, tok in zip(seqs, tokens):
+            self.emit(seq, [tok], events)
+
+    # ---- output and retirement ----------------------------------------------------------
+    def emit(self, seq: Sequence, tokens: list[int], events: list[StepEvent]) -> int:
+        """Append new tokens, cutting at a stop token or max_new_tokens; returns how many were kept.
+        The last kept token becomes `pending` (the next row to feed) unless the sequence finished."""
+        kept, reason = [], None
+        for tok in tokens:
+            kept.append(tok)
+            if tok in seq.stop_ids:
+                reason = "stop"
+                break
+            if len(seq.output_ids) + len(kept) >= seq.params.max_new_tokens:
+                reason = "length"
+                break
+        seq.output_ids.extend(kept)
+        seq.pending = kept[-1]
+        self.stats["generated_tokens"] += len(kept)
+        if reason:
+            self._finish(seq, reason)
+        events.append(StepEvent(seq.request_id, tuple(kept), reason))
+        return len(kept)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason, seq.status = reason, Status.FINISHED
+        if seq.slot >= 0:
+            if self.speculator:
+                self.speculator.retire(seq)
+            self.pool.retire(seq.slot)
+            seq.slot = -1
+        self.running.pop(seq.request_id, None)
+
+    def _retire_cancelled(self, events: list[StepEvent]) -> None:
+        for seq in [s for s in self.waiting if s.cancel_requested]:
+            self.waiting.remove(seq)
+            seq.finish_reason, seq.status = "cancelled", Status.FINISHED
+            events.append(StepEvent(seq.request_id, (), "cancelled"))
+        for seq in [s for s in self.running.values() if s.cancel_requested]:
+            self._finish(seq, "cancelled")
+            events.append(StepEvent(seq.request_id, (), "cancelled"))
+
+    # ---- offline generation -------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()):
+        """Run prompts to completion (all admitted as slots allow). Returns (completions, stats)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        seqs = {s.request_id: s for s in self.waiting}
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        t0 = time.perf_counter()
+        while self.has_work():
+            for ev in self.step():
+                out[ev.request_id].extend(ev.token_ids)
+                if ev.finish_reason:
+                    reasons[ev.request_id] = ev.finish_reason
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        completions = [Completion(i, seqs[i].prompt_ids, out[i], reasons[i], seqs[i].accepted_lengths) for i in ids]
+        return completions, elapsed

@@ -1,0 +1,98 @@
+"""Requests and their per-sequence state, owned by the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaflash.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy. top_k 0 = off. seed None = nondeterministic."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, no slot yet
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's live state. `pending` is the last sampled token, not yet fed to the target."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_prefilled: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    pending: int | None = None
+    finish_reason: str | None = None
+    cancel_requested: bool = False
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        """Position of the pending token (= committed length of the sequence)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Tokens a step produced for one request; `finish_reason` set on its last event."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    accepted_lengths: list[int]
+
+
+_ids = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"req-{next(_ids)}"

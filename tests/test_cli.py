@@ -1,0 +1,61 @@
+"""`deltaflash generate` end to end, in a subprocess as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deltaflash.engine.engine import Engine
+from deltaflash.engine.request import SamplingParams
+from tests.checkpoints import build_hf_model, make_tokenizer, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = save_checkpoint(build_hf_model("dense_gqa", vocab_size=320), tmp_path_factory.mktemp("cli"))
+    make_tokenizer(folder, vocab_size=300)
+    return folder
+
+
+def run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "deltaflash", *args], capture_output=True, text=True, timeout=300)
+    return proc
+
+
+def test_generate_json_with_prompt_ids(folder):
+    proc = run_cli("generate", "--model", str(folder), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "9",
+                   "--device", "cpu", "--json", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False)
+    (ref,), _ = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    assert out["token_ids"] == ref.token_ids
+    assert out["text"] == engine.tokenizer.decode(ref.token_ids)
+    assert out["stats"]["generated_tokens"] == 9 and out["stats"]["finish_reason"] == "length"
+
+
+def test_generate_text_and_chat_prompts(folder):
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False)
+    tok = engine.tokenizer
+    raw = run_cli("generate", "--model", str(folder), "--prompt", "def hello", "--max-new-tokens", "5",
+                  "--device", "cpu", "--json", "--ignore-eos")
+    chat = run_cli("generate", "--model", str(folder), "--prompt", "def hello", "--chat", "--max-new-tokens", "5",
+                   "--device", "cpu", "--json", "--ignore-eos")
+    assert raw.returncode == 0 and chat.returncode == 0, raw.stderr + chat.stderr
+    raw_ids = tok.encode("def hello", add_special_tokens=False)
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": "def hello"}], add_generation_prompt=True)
+    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) or hasattr(chat_ids, "input_ids") else chat_ids
+    p = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    assert json.loads(raw.stdout)["token_ids"] == engine.generate([raw_ids], p)[0][0].token_ids
+    assert json.loads(chat.stdout)["token_ids"] == engine.generate([list(chat_ids)], p)[0][0].token_ids
+    assert json.loads(raw.stdout)["stats"]["prompt_tokens"] == len(raw_ids) != len(chat_ids)
+
+
+def test_bad_input_is_a_clear_error(folder, tmp_path):
+    proc = run_cli("generate", "--model", str(tmp_path), "--prompt-ids", "1", "--device", "cpu")
+    assert proc.returncode == 2 and "config.json" in proc.stderr
+    proc = run_cli("generate", "--model", str(folder), "--prompt-ids", "1", "--temperature", "-1", "--device", "cpu")
+    assert proc.returncode == 2 and "temperature" in proc.stderr
+    proc = run_cli("generate", "--model", str(folder), "--prompt-ids", "99999", "--device", "cpu")
+    assert proc.returncode == 2 and "99999" in proc.stderr

@@ -47,14 +47,15 @@ class GatedDeltaNet(nn.Module):
         return (q.unflatten(-1, (self.nk, self.dk)), k.unflatten(-1, (self.nk, self.dk)),
                 v.unflatten(-1, (self.nv, self.dv)))
 
+    def _repeat_key_heads(self, x):
+        """[..., nk, d] -> [..., nv, d]: value head j reads key head j // (nv / nk)."""
+        rep = self.nv // self.nk
+        return x.repeat_interleave(rep, dim=-2) if rep > 1 else x
+
     def _qk_for_values(self, q, k):
         """Normalise q, k in fp32 (q scaled by dk^-0.5) and repeat key heads for their value heads."""
         q = l2_normalize(q) * self.dk ** -0.5
-        k = l2_normalize(k)
-        rep = self.nv // self.nk
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
-        return q, k
+        return self._repeat_key_heads(q), self._repeat_key_heads(l2_normalize(k))
 
     def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o [..., nv, dv], z [..., nv*dv] -> out_proj(gated norm)."""
@@ -77,14 +78,15 @@ class GatedDeltaNet(nn.Module):
         pool.conv_history[slot_idx, g_i] = new_history[lane_idx].to(pool.conv_history.dtype)
 
         q, k, v = self._split_qkv(conv_out)
-        q, k = self._qk_for_values(q, k)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         state = pool.recurrent_state[slot_idx, g_i]  # gathered copy [L', nv, dk, dv]
         o = torch.zeros(L, T, self.nv, self.dv, dtype=torch.float32, device=x.device)
         if T == 1:
+            q, k = self._qk_for_values(q[lane_idx, 0], k[lane_idx, 0])
             o[lane_idx, 0] = recurrent_gated_delta_step_ref(
-                q[lane_idx, 0], k[lane_idx, 0], v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state)
+                q, k, v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state)
         else:
+            q, k = self._repeat_key_heads(q), self._repeat_key_heads(k)
             lens = [batch.n_rows_host[i] for i in lanes]
             rows = [(i, n) for i, n in zip(lanes, lens)]
             pack = lambda t: torch.cat([t[i, :n] for i, n in rows])  # noqa: E731

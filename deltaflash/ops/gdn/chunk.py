@@ -46,11 +46,13 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk: int = CHU
 
 
 def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: list[int]):
-    """Several sequences packed along rows. q, k: [N, H, dk]; v: [N, H, dv]; g, beta: [N, H];
-    initial_states: [B, H, dk, dv] fp32; seq_lens: host list of B row counts summing to N.
+    """Several sequences packed along rows. q, k: [N, H, dk] raw (L2-normalised here, q scaled by
+    dk^-0.5); v: [N, H, dv] (activation dtype); g, beta: [N, H] fp32; initial_states: [B, H, dk, dv]
+    fp32; seq_lens: host list of B row counts summing to N.
     Returns (o [N, H, dv] fp32, final_states [B, H, dk, dv] fp32). Uses fla-core on CUDA."""
     if q.is_cuda:
         return _fla_varlen(q, k, v, g, beta, initial_states, seq_lens)
+    q, k = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
     outs, finals, row = [], [], 0
     for i, n in enumerate(seq_lens):
         o, s = chunk_gated_delta_rule_ref(q[row:row + n], k[row:row + n], v[row:row + n],
@@ -65,10 +67,10 @@ def _fla_varlen(q, k, v, g, beta, initial_states, seq_lens):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     cu = torch.tensor([0] + list(seq_lens), device=q.device).cumsum(0)
-    o, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
-        scale=1.0, initial_state=initial_states.contiguous(), output_final_state=True,
-        cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
+    o, final = chunk_gated_delta_rule(  # l2norm of q, k in-kernel, in fp32
+        q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None].float(), beta[None].to(v.dtype),
+        scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
     )
     return o[0].float(), final.float()
 

@@ -1,0 +1,78 @@
+"""Timing helpers shared by the benchmarks: CUDA-event medians, measured copy bandwidth, reports."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.cuda.is_available()
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, iters=10)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def machine() -> dict:
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "host": platform.node(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    print(f"\n{title}")
+    print("  ".join(c.ljust(width[c]) for c in cols))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(width[c]) for c in cols))
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def write_json(path: str | Path | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))

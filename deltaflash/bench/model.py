@@ -1,0 +1,115 @@
+"""`deltaflash bench model`: prefill and batched decode of a Qwen3.5-9B-shaped model (random bf16
+weights) as ratios to the weight-read limit, side by side with transformers on the same weights."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, time_ms, write_json
+from deltaflash.cache.slots import SlotPool
+from deltaflash.engine.batch import ExtendBatch
+from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
+
+
+def transformers_twin(model):
+    """transformers' Qwen3_5ForCausalLM sharing our parameter tensors (no copy)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    c = model.cfg
+    hf_cfg = Qwen3_5TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
+        linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
+        linear_value_head_dim=c.linear_value_head_dim, layer_types=list(c.layer_types),
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
+                         "partial_rotary_factor": c.rotary_dim / c.head_dim},
+        tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        hf = Qwen3_5ForCausalLM(hf_cfg)
+    state = {(k if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()}
+    hf.load_state_dict(state, assign=True, strict=True)
+    device = model.embed_tokens.weight.device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg).to(device)
+    return hf.eval()
+
+
+@torch.inference_mode()
+def run(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = qwen35_9b_config(args.layers)
+    model = random_model(cfg, torch.bfloat16, device)
+    total_bytes, read_bytes = weight_bytes(model)
+    bw = copy_bandwidth_gbs(device)
+    limit_ms = read_bytes / (bw * 1e9) * 1e3
+    hf = transformers_twin(model) if not args.no_transformers else None
+    rows = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    # prefill of one prompt
+    T = args.prefill_tokens
+    pool = SlotPool(cfg, max(args.decode_batches), T + args.context + 64, torch.bfloat16, device)
+    prompt = torch.randint(0, cfg.vocab_size, (T,), generator=gen).tolist()
+
+    def ours_prefill():
+        slot = pool.admit()
+        model.extend(ExtendBatch.build([(slot, 0, prompt)], device), pool)
+        pool.retire(slot)
+
+    ids = torch.tensor([prompt], device=device)
+    row = {"phase": f"prefill {T}", "deltaflash_ms": time_ms(ours_prefill, 2, 5)}
+    if hf is not None:
+        row["transformers_ms"] = time_ms(lambda: hf(ids, use_cache=False, logits_to_keep=1), 2, 5)
+    rows.append(row)
+
+    # batched decode: B sequences at different positions, one row each
+    for B in args.decode_batches:
+        slots = [pool.admit() for _ in range(B)]
+        lens = [args.context - i for i in range(B)]
+        for s, n in zip(slots, lens):
+            model.extend(ExtendBatch.build([(s, 0, torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist())], device), pool)
+
+        def ours_decode():
+            batch = ExtendBatch.build([(s, pool.lengths[s], [7]) for s in slots], device)
+            model.extend(batch, pool)
+
+        row = {"phase": f"decode B={B}", "deltaflash_ms": time_ms(ours_decode, 3, 10)}
+        for s in slots:
+            pool.retire(s)
+        if hf is not None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=hf.config)
+            hf(torch.randint(0, cfg.vocab_size, (B, args.context), device=device), past_key_values=cache,
+               use_cache=True, logits_to_keep=1)
+            step_ids = torch.full((B, 1), 7, device=device)
+            row["transformers_ms"] = time_ms(
+                lambda: hf(step_ids, past_key_values=cache, use_cache=True), 3, 10)
+            del cache
+        rows.append(row)
+
+    for r in rows:
+        r["weight_read_ms"] = limit_ms
+        r["deltaflash_x_limit"] = r["deltaflash_ms"] / limit_ms
+        if "transformers_ms" in r:
+            r["transformers_x_limit"] = r["transformers_ms"] / limit_ms
+            r["speedup_vs_transformers"] = r["transformers_ms"] / r["deltaflash_ms"]
+    print(f"weights: {total_bytes / 1e9:.2f} GB total, {read_bytes / 1e9:.2f} GB read per forward "
+          f"(all but the embedding table); copy bandwidth {bw:.0f} GB/s -> weight-read limit {limit_ms:.2f} ms")
+    print_table("Qwen3.5-9B shape, random bf16 weights (ratios: measured / weight-read limit)", rows)
+    result = {"machine": machine(), "weight_bytes": total_bytes, "weight_read_bytes": read_bytes,
+              "copy_bandwidth_gbs": bw, "weight_read_limit_ms": limit_ms, "rows": rows}
+    write_json(args.json, result)
+    return result
+
+
+def register(sub) -> None:
+    p = sub.add_parser("model", help="prefill / batched decode of the 9B shape vs transformers and the weight-read limit")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--context", type=int, default=512, help="tokens already in each sequence at decode")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=run)

@@ -1,0 +1,51 @@
+"""Random weights for a config, straight on the device (benchmarks of real shapes, no checkpoint)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deltaflash.config import ModelConfig
+from deltaflash.models.qwen3_5 import Qwen35Model
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> Qwen35Model:
+    """Matrices ~ N(0, 1/fan_in), norms ~ 0 (+noise), A_log = log U(1, 16), dt_bias = 1."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = Qwen35Model(cfg)
+    state = {}
+    for name, p in model.state_dict().items():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if name.endswith("A_log"):
+            t.uniform_(1.0, 16.0, generator=gen).log_()
+        elif name.endswith("dt_bias"):
+            t.fill_(1.0)
+        elif p.ndim == 1:
+            t.normal_(0.0, 0.1, generator=gen)
+        else:
+            t.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+        state[name] = t
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval()
+
+
+def qwen35_9b_config(num_layers: int = 32) -> ModelConfig:
+    """The Qwen3.5-9B text stack's shapes."""
+    return ModelConfig(
+        model_type="qwen3_5_text", hidden_size=4096, vocab_size=248320,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
+        rms_norm_eps=1e-6, tie_word_embeddings=False, num_heads=16, num_kv_heads=4, head_dim=256,
+        rotary_dim=64, rope_theta=1e7, attention_bias=False, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, conv_kernel=4, intermediate_size=12288,
+        max_position_embeddings=262144,
+    )
+
+
+def weight_bytes(model: Qwen35Model) -> tuple[int, int]:
+    """(all parameter bytes, bytes one forward reads: all but the embedding table)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    read = total - (0 if model.cfg.tie_word_embeddings else embed.numel() * embed.element_size())
+    return total, read

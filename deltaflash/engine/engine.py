@@ -36,7 +36,9 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, drafter=None, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, tokenizer=None, drafter=None, config: EngineConfig = EngineConfig(),
+                 draft_source=None):
+        """`drafter`: a loaded DFlash drafter; or `draft_source`: any draft source (spec/sources.py)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cfg = model.cfg
         param = model.embed_tokens.weight
@@ -44,9 +46,15 @@ class Engine:
         self.speculator = None
         extra_rows = 0
         if drafter is not None:
+            from deltaflash.spec.sources import DFlashSource
+
+            width = config.block_size or drafter.config.block_size
+            draft_source = DFlashSource(drafter, model, config.max_slots, config.max_model_len + width,
+                                        self.dtype, self.device)
+        if draft_source is not None:
             from deltaflash.spec.speculator import Speculator
 
-            self.speculator = Speculator(self, drafter, config)
+            self.speculator = Speculator(self, draft_source, config.block_size)
             extra_rows = self.speculator.block_size
         self.pool = SlotPool(self.cfg, config.max_slots, config.max_model_len + extra_rows, self.dtype, self.device)
         self.waiting: deque[Sequence] = deque()
@@ -182,8 +190,6 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason, seq.status = reason, Status.FINISHED
         if seq.slot >= 0:
-            if self.speculator:
-                self.speculator.retire(seq)
             self.pool.retire(seq.slot)
             seq.slot = -1
         self.running.pop(seq.request_id, None)

@@ -62,8 +62,8 @@ class Qwen35Model(nn.Module):
             h = layer.input_layernorm(x)
             x = x + (gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in tap_layer_ids:
-                taps.append(x)
+            if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
+                taps.append(self.norm(x) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)
 
     @torch.inference_mode()

@@ -7,20 +7,27 @@ import torch
 from deltaflash.engine.request import SamplingParams
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> fp32 probabilities after temperature, top-k, then top-p (nucleus)."""
-    scores = logits.float() / params.temperature
-    if 0 < params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """q [..., V] fp32 from logits [..., V]: softmax(logits / T) over the top_k, then the top_p nucleus
+    (tokens whose preceding mass is < top_p), renormalised."""
+    scores = logits.float() / temperature
+    kept = None
+    if 0 < top_k < scores.shape[-1]:
+        scores, kept = scores.topk(top_k, dim=-1)
+    probs = scores.softmax(dim=-1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        ordered = ordered * (ordered.cumsum(dim=-1) - ordered < top_p)
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if kept is not None:
+        probs = torch.zeros_like(logits, dtype=probs.dtype).scatter(-1, kept, probs)
     return probs
+
+
+def request_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from (sampling_probs with its settings)."""
+    return sampling_probs(logits, params.temperature, params.top_p, params.top_k)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -33,7 +40,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     tokens = logits.argmax(-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = draw(sampling_probs(logits[i], p), generators[i])
+            tokens[i] = draw(request_probs(logits[i], p), generators[i])
     return tokens
 
 

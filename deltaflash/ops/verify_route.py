@@ -1,0 +1,49 @@
+"""Which implementation serves the verify route: the fused Triton kernels or the unfused reference.
+
+The fused route is used on CUDA unless DELTAFLASH_NO_FUSED_KERNELS=1; on CPU the unfused torch route
+runs (the kernels run on CPU only under TRITON_INTERPRET=1, in their tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class VerifyOps:
+    """The four operations of the verify route (signatures in ops/conv and ops/gdn READMEs)."""
+
+    name: str
+    conv_tree_step: Callable
+    gdn_verify: Callable
+    replay_commit: Callable
+    conv_commit: Callable
+
+
+def unfused_ops() -> VerifyOps:
+    from deltaflash.ops.conv.naive import conv_commit_ref, conv_tree_step_ref
+    from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_commit_ref
+
+    return VerifyOps("unfused", conv_tree_step_ref, gdn_verify_ref, replay_commit_ref, conv_commit_ref)
+
+
+def fused_ops() -> VerifyOps:
+    from deltaflash.ops.conv.tree_step import conv_tree_step
+    from deltaflash.ops.gdn.commit import conv_commit, replay_commit
+    from deltaflash.ops.gdn.verify import gdn_verify
+
+    return VerifyOps("fused", conv_tree_step, gdn_verify, replay_commit, conv_commit)
+
+
+def fused_disabled() -> bool:
+    return os.environ.get("DELTAFLASH_NO_FUSED_KERNELS", "0") not in ("", "0")
+
+
+def select_verify_ops(device: torch.device) -> VerifyOps:
+    if torch.device(device).type == "cuda" and not fused_disabled():
+        return fused_ops()
+    return unfused_ops()

@@ -1,0 +1,55 @@
+"""Tiny random target + drafter pairs for speculative decoding tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3Config
+
+from deltaflash.engine.engine import Engine, EngineConfig
+from deltaflash.models.dflash import load_drafter
+from deltaflash.models.loader import load_model
+from tests.checkpoints import build_hf_model, save_checkpoint
+
+
+def save_drafter(folder, target_cfg, variant: str = "dflash", seed: int = 0, block_size: int = 6,
+                 taps=(0, 2), mask_token_id: int = 1, num_layers: int = 2):
+    from dflash import model as oracle
+
+    knobs = dict(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=list(taps))
+    if variant == "dflash2":
+        knobs.update(conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=6)
+    config = Qwen3Config(
+        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=64,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_target_layers=target_cfg.num_layers, dflash_config=knobs,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = (oracle.DFlash2DraftModel if variant == "dflash2" else oracle.DFlashDraftModel)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    model.float().save_pretrained(folder)
+    return folder
+
+
+def make_pair(tmp_path, kind: str = "dense_gqa", variant: str = "dflash", seed: int = 0, block_size: int = 6):
+    target_dir = save_checkpoint(build_hf_model(kind, seed=seed), tmp_path / f"target-{kind}-{seed}")
+    cfg = load_model(target_dir, device="cpu", progress=False).cfg
+    draft_dir = save_drafter(tmp_path / f"draft-{variant}-{seed}", cfg, variant, seed=seed, block_size=block_size)
+    return target_dir, draft_dir
+
+
+def engine_for(target_dir, draft_dir=None, draft_source=None, **config):
+    config = {"max_slots": 8, "max_model_len": 256} | config
+    model = load_model(target_dir, device="cpu", progress=False)
+    drafter = None
+    if draft_dir is not None:
+        drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size,
+                               target_vocab_size=model.cfg.vocab_size, target_num_layers=model.cfg.num_layers,
+                               dtype=torch.float32, device="cpu")
+    return Engine(model, None, drafter, EngineConfig(**config), draft_source=draft_source)
+
+
+def prompts(vocab: int, lengths, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,219 @@
+"""Lossless speculative decoding through the replay-log verify route (CPU, fp32)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltaflash.cache.commit import commit
+from deltaflash.engine.batch import CommitPlan, ExtendBatch, VerifyBatch
+from deltaflash.engine.request import SamplingParams
+from deltaflash.errors import CommitRejectedError
+from deltaflash.ops.verify_route import unfused_ops
+from deltaflash.spec.sources import ScriptedSource
+from tests.spec_pairs import engine_for, make_pair, prompts
+
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs")
+    return {
+        "dflash": make_pair(root, "dense_gqa", "dflash", seed=1),
+        "dflash2": make_pair(root, "dense_tied", "dflash2", seed=2, block_size=5),
+        "moe": make_pair(root, "moe", "dflash", seed=3, block_size=8),
+    }
+
+
+def target_only(target_dir, prompt_list, params=GREEDY):
+    return [c.token_ids for c in engine_for(target_dir).generate(prompt_list, params)[0]]
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "moe"])
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+def test_greedy_spec_equals_target_only(pairs, name, concurrency):
+    target_dir, draft_dir = pairs[name]
+    vocab = 96 if name != "dflash2" else 80
+    plist = prompts(vocab, [3 + 7 * i for i in range(concurrency)], seed=concurrency)
+    expected = target_only(target_dir, plist)
+    engine = engine_for(target_dir, draft_dir)
+    done, _ = engine.generate(plist, GREEDY)
+    assert [c.token_ids for c in done] == expected
+    assert all(sum(c.accepted_lengths) >= 39 for c in done)  # every token after the first came from a round
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 9])
+def test_copying_and_random_drafts_side_by_side(pairs, block_size):
+    """Lanes with a script propose the target's own continuation (10% corrupted): long runs get
+    accepted; lanes without one get random drafts: rejections at every depth."""
+    target_dir, _ = pairs["dflash"]
+    plist = prompts(96, [4, 9, 15, 22, 30, 6, 12, 17], seed=block_size)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    expected = target_only(target_dir, plist, params)
+    scripts = {tuple(p): e for p, e in list(zip(plist, expected))[:6]}
+    source = ScriptedSource(scripts, block_size, 96, corrupt=0.08, seed=block_size)
+    done, _ = engine_for(target_dir, draft_source=source).generate(plist, params)
+    assert [c.token_ids for c in done] == expected
+    seen = {n for c in done for n in c.accepted_lengths}
+    assert seen >= set(range(1, block_size + 1)), f"accepted lengths seen: {sorted(seen)}"
+
+
+def test_block_size_override_with_real_drafter(pairs):
+    target_dir, draft_dir = pairs["dflash"]
+    plist = prompts(96, [5, 12], seed=9)
+    engine = engine_for(target_dir, draft_dir, block_size=3)
+    assert engine.speculator.block_size == 3
+    done, _ = engine.generate(plist, GREEDY)
+    assert [c.token_ids for c in done] == target_only(target_dir, plist)
+
+
+def test_stop_token_and_max_tokens_cut_inside_accepted_run(pairs):
+    target_dir, _ = pairs["dflash"]
+    plist = prompts(96, [11, 7], seed=4)
+    long = target_only(target_dir, plist, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    stop = long[0][12]  # a token the perfect draft will propose mid-run
+    scripts = {tuple(p): e for p, e in zip(plist, long)}
+    params = [SamplingParams(max_new_tokens=30, stop_token_ids=(stop,), ignore_eos=True),
+              SamplingParams(max_new_tokens=5, ignore_eos=True)]
+    engine = engine_for(target_dir, draft_source=ScriptedSource(scripts, 8, 96, corrupt=0.0))
+    done, _ = engine.generate(plist, params)
+    assert done[0].token_ids == long[0][: long[0].index(stop) + 1] and done[0].finish_reason == "stop"
+    assert done[1].token_ids == long[1][:5] and done[1].finish_reason == "length"
+    assert max(done[0].accepted_lengths) == 8  # the stop landed inside a fully accepted block
+    assert engine.pool.num_live == 0
+
+
+def test_mixed_rounds_ar_spec_and_padding_lanes(pairs):
+    target_dir, draft_dir = pairs["dflash"]
+    plist = prompts(96, [3, 14, 8, 21], seed=12)
+    expected = target_only(target_dir, plist)
+    scripts = {tuple(p): e for p, e in zip(plist, expected)}
+    engine = engine_for(target_dir, draft_source=ScriptedSource(scripts, 6, 96, corrupt=0.3, seed=2))
+    spec = engine.speculator
+    real_round = spec.round
+    rounds = []
+
+    def mixed_round(seqs, events, **_):  # lanes alternate AR / speculating, two padding lanes
+        rounds.append(len(seqs))
+        flags = [(i + len(rounds)) % 2 == 0 for i in range(len(seqs))]
+        real_round(seqs, events, pad_lanes_to=len(seqs) + 2, speculate=flags)
+
+    spec.round = mixed_round
+    done, _ = engine.generate(plist, GREEDY)
+    assert [c.token_ids for c in done] == expected
+    assert max(rounds) == 4
+
+
+def _verify_chain(engine, slot, tokens, start):
+    W = len(tokens)
+    chain = torch.arange(W)
+    batch = VerifyBatch(input_ids=torch.tensor([tokens]), parents=(chain - 1)[None], positions=(start + chain)[None],
+                        slot_ids=torch.tensor([slot]), start=torch.tensor([start]), slot_ids_host=(slot,),
+                        start_host=(start,))
+    return engine.model.verify(batch, engine.pool, unfused_ops())
+
+
+def _state(pool, slot):
+    n = pool.lengths[slot]
+    return (pool.recurrent_state[slot].clone(), pool.conv_history[slot].clone(),
+            pool.key_cache[slot, :, :n].clone(), pool.value_cache[slot, :, :n].clone(), n)
+
+
+def test_commit_of_every_prefix_equals_sequential_decode(pairs):
+    target_dir, _ = pairs["dflash"]
+    engine, W = engine_for(target_dir, max_slots=2), 6
+    prompt, tokens = prompts(96, [9, W], seed=21)
+    for accepted in range(W + 1):
+        assert sorted(engine.pool.admit() for _ in range(2)) == [0, 1]
+        for slot in (0, 1):
+            engine.model.extend(ExtendBatch.build([(slot, 0, prompt)], "cpu"), engine.pool)
+        before = _state(engine.pool, 0)
+        out = _verify_chain(engine, 0, tokens, len(prompt))
+        for a, b in zip(before, _state(engine.pool, 0)):  # verify alone changes nothing
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        plan = CommitPlan(torch.tensor([0]), torch.arange(W)[None], torch.tensor([accepted]), (0,), (accepted,),
+                          (len(prompt),))
+        commit(engine.pool, plan, out, unfused_ops())
+        for t in range(accepted):  # slot 1: the same tokens, one plain decode row at a time
+            engine.model.extend(ExtendBatch.build([(1, len(prompt) + t, [tokens[t]])], "cpu"), engine.pool)
+        got, want = _state(engine.pool, 0), _state(engine.pool, 1)
+        assert got[4] == want[4] == len(prompt) + accepted
+        # fp32; the verify rows were projected as one [W, H] matmul, the decode rows one by one
+        for a, b in zip(got[:4], want[:4]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        engine.pool.retire(0)
+        engine.pool.retire(1)
+
+
+@pytest.mark.parametrize("bad", ["duplicate", "out_of_range", "too_many"])
+def test_rejected_commit_changes_nothing(pairs, bad):
+    target_dir, _ = pairs["dflash"]
+    engine, W = engine_for(target_dir, max_slots=3), 4
+    prompt, tokens = prompts(96, [7, W], seed=5)
+    for slot in (0, 1):
+        engine.pool.admit()
+        engine.model.extend(ExtendBatch.build([(slot, 0, prompt)], "cpu"), engine.pool)
+    out = _verify_chain(engine, 0, tokens, len(prompt))
+    two = lambda t: torch.cat([t, t])  # noqa: E731 -- a second lane with the same verify rows
+    out = type(out)(logits=two(out.logits), taps=None, conv_windows=torch.cat([out.conv_windows] * 2, 1),
+                    replay_log=torch.cat([out.replay_log] * 2, 1))
+    slots, acc = {"duplicate": ((0, 0), (2, 2)), "out_of_range": ((0, 7), (2, 2)), "too_many": ((0, 1), (2, W + 1))}[bad]
+    plan = CommitPlan(torch.tensor(slots), torch.arange(W).expand(2, W), torch.tensor(acc), slots, acc,
+                      (len(prompt),) * 2)
+    snapshot = [t.clone() for t in (engine.pool.recurrent_state, engine.pool.conv_history, engine.pool.key_cache)]
+    lengths = list(engine.pool.lengths)
+    with pytest.raises(CommitRejectedError):
+        commit(engine.pool, plan, out, unfused_ops())
+    for a, b in zip(snapshot, (engine.pool.recurrent_state, engine.pool.conv_history, engine.pool.key_cache)):
+        assert torch.equal(a, b)
+    assert engine.pool.lengths == lengths
+
+
+def test_tree_verify_nodes_equal_their_root_paths(pairs):
+    """A tree's node sees exactly its ancestors: its logits equal those of its root path verified as a chain,
+    and committing a path of the tree equals committing that chain."""
+    target_dir, _ = pairs["dflash"]
+    engine = engine_for(target_dir, max_slots=2)
+    prompt = prompts(96, [10], seed=8)[0]
+    tree_tokens = [5, 9, 13, 17, 21, 25]
+    parents = [-1, 0, 0, 1, 2, 4]  # node 5's path: 0 -> 2 -> 4 -> 5
+    depth = [0, 1, 1, 2, 2, 3]
+    for slot in (0, 1):
+        engine.pool.admit()
+        engine.model.extend(ExtendBatch.build([(slot, 0, prompt)], "cpu"), engine.pool)
+    start = len(prompt)
+    batch = VerifyBatch(input_ids=torch.tensor([tree_tokens]), parents=torch.tensor([parents]),
+                        positions=torch.tensor([[start + d for d in depth]]), slot_ids=torch.tensor([0]),
+                        start=torch.tensor([start]), slot_ids_host=(0,), start_host=(start,))
+    tree = engine.model.verify(batch, engine.pool, unfused_ops())
+    path = [0, 2, 4, 5]
+    chain = _verify_chain(engine, 1, [tree_tokens[n] for n in path], start)
+    torch.testing.assert_close(tree.logits[0, path], chain.logits[0], rtol=1e-5, atol=1e-5)
+    nodes = torch.tensor([path + [0, 0]])
+    commit(engine.pool, CommitPlan(torch.tensor([0]), nodes, torch.tensor([4]), (0,), (4,), (start,)), tree, unfused_ops())
+    commit(engine.pool, CommitPlan(torch.tensor([1]), torch.arange(4)[None], torch.tensor([4]), (1,), (4,), (start,)),
+           chain, unfused_ops())
+    for a, b in zip(_state(engine.pool, 0), _state(engine.pool, 1)):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert a == b
+
+
+def test_cli_generate_with_draft_reports_acceptance(pairs):
+    target_dir, draft_dir = pairs["dflash"]
+    args = ["--model", str(target_dir), "--prompt-ids", "4,8,15,16,23", "--max-new-tokens", "12", "--device", "cpu",
+            "--json", "--ignore-eos"]
+    plain = subprocess.run([sys.executable, "-m", "deltaflash", "generate", *args], capture_output=True, text=True)
+    spec = subprocess.run([sys.executable, "-m", "deltaflash", "generate", *args, "--draft", str(draft_dir),
+                           "--block-size", "4"], capture_output=True, text=True)
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    stats = spec["stats"]
+    assert stats["block_size"] == 4 and sum(stats["accepted_lengths"]) >= 11  # the first token comes from prefill
+    assert stats["mean_accepted_length"] == pytest.approx(sum(stats["accepted_lengths"]) / len(stats["accepted_lengths"]), abs=1e-3)
+    assert stats["tokens_per_second"] > 0

@@ -1,0 +1,61 @@
+"""Speculative sampling is lossless in distribution: a chi-square test over many seeded draws cannot
+tell it from target-only sampling, while the same test does tell a broken acceptance rule apart."""
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import deltaflash.spec.speculator as speculator_module
+from deltaflash.engine.request import SamplingParams
+from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.spec_pairs import engine_for, save_drafter
+from deltaflash.models.loader import load_model
+
+VOCAB, N, TOKENS = 12, 1200, 3
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    hf = build_hf_model("dense_gqa", seed=11, vocab_size=VOCAB)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(6.0)  # a peaked target, so p and the drafter's q differ clearly
+    target = save_checkpoint(hf, root / "target")
+    draft = save_drafter(root / "draft", load_model(target, device="cpu", progress=False).cfg, seed=5, block_size=4)
+    return target, draft
+
+
+def draws(engine, params_for_seed):
+    done, _ = engine.generate([PROMPT] * N, [params_for_seed(i) for i in range(N)])
+    return torch.tensor([c.token_ids for c in done])  # [N, TOKENS]
+
+
+def p_values(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """Homogeneity of each position's token distribution, and of the (t1, t2) pair, between two samples."""
+    out = []
+    columns = [a[:, i] for i in range(TOKENS)] + [a[:, 0] * VOCAB + a[:, 1]]
+    other = [b[:, i] for i in range(TOKENS)] + [b[:, 0] * VOCAB + b[:, 1]]
+    for x, y in zip(columns, other):
+        cells = sorted(set(x.tolist()) | set(y.tolist()))
+        table = torch.tensor([[int((x == c).sum()), int((y == c).sum())] for c in cells])
+        rare = table.sum(1) < 10  # merge sparse cells so the chi-square approximation holds
+        table = torch.cat([table[~rare], table[rare].sum(0, keepdim=True)]) if rare.any() else table
+        out.append(chi2_contingency(table.numpy())[1])
+    return out
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.9, 6)])
+def test_speculative_sampling_matches_target_distribution(pair, top_p, top_k, monkeypatch):
+    target, draft = pair
+    params = lambda seed, base: SamplingParams(max_new_tokens=TOKENS, temperature=1.0, top_p=top_p, top_k=top_k,  # noqa: E731
+                                              seed=base + seed, ignore_eos=True)
+    plain = draws(engine_for(target, max_slots=64), lambda i: params(i, 0))
+    spec = draws(engine_for(target, draft, max_slots=64), lambda i: params(i, 100_000))
+    assert min(p_values(plain, spec)) > 1e-3
+
+    # power: accepting every draft (no rejection step) must be caught by the same test
+    monkeypatch.setattr(speculator_module, "accept_sampled",
+                        lambda logits, drafts, q, p, g, n: (n, int(drafts[n]) if n < len(drafts) else 0))
+    broken = draws(engine_for(target, draft, max_slots=64), lambda i: params(i, 200_000))
+    assert min(p_values(plain, broken)) < 1e-4

@@ -17,8 +17,8 @@ class SlotPool:
     """Tensors (S slots, G GDN layers, A attention layers, C conv channels, K conv taps):
         conv_history    [S, G, C, K-1]            activation dtype
         recurrent_state [S, G, nv, dk, dv]        fp32
-        key_cache       [S, A, max_len, nkv, hd]  activation dtype (zeros until written)
-        value_cache     [S, A, max_len, nkv, hd]
+        key_cache       [S+1, A, max_len, nkv, hd]  activation dtype (zeros until written; +1: the sink)
+        value_cache     [S+1, A, max_len, nkv, hd]
     `lengths[slot]` is the number of committed positions (host ints: read without a device sync).
     """
 
@@ -30,11 +30,20 @@ class SlotPool:
             num_slots, G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
-        kv_shape = (num_slots, A, max_len, cfg.num_kv_heads, cfg.head_dim)
+        # one extra K/V slot, `kv_sink`, takes the writes of padding lanes and padding rows so that
+        # every write is unconditional (CUDA-graph friendly); nothing ever reads it as a sequence
+        self.kv_sink = num_slots
+        kv_shape = (num_slots + 1, A, max_len, cfg.num_kv_heads, cfg.head_dim)
         self.key_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.value_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def kv_write_slots(self, slot_ids, rows_valid):
+        """slot_ids [L] (-1 padding), rows_valid [L, T] bool -> [L, T] slot to write each row's K/V to
+        (the sink for padding lanes and padding rows)."""
+        keep = rows_valid & (slot_ids >= 0)[:, None]
+        return torch.where(keep, slot_ids[:, None], self.kv_sink)
 
     @property
     def num_free(self) -> int:

@@ -24,11 +24,11 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, slot_ids, store_index, visible, pool: SlotPool, write_rows):
+    def forward(self, x, rope, slot_ids, store_index, visible, pool: SlotPool, write_slots):
         """x [L, T, H]; rope (cos, sin) [L, T, rd]; slot_ids [L] (-1 padding);
         store_index [L, T] cache row where each row's K/V is stored; visible [L, T, Kmax] bool mask
-        over cache rows 0..Kmax-1; write_rows: (lane index [N], row index [N]) of rows to store.
-        Returns [L, T, H]."""
+        over cache rows 0..Kmax-1; write_slots [L, T] the slot each row's K/V goes to (the pool's sink
+        for rows that must not land anywhere). No host syncs: CUDA-graph safe. Returns [L, T, H]."""
         L, T, _ = x.shape
         a_i = self.attn_index
         q, gate = self.q_proj(x).unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
@@ -36,10 +36,9 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).unflatten(-1, (self.nkv, self.hd))), *rope)
         v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
 
-        lane, row = write_rows
-        slot, pos = slot_ids[lane], store_index[lane, row]
-        pool.key_cache[slot, a_i, pos] = k[lane, row].to(pool.key_cache.dtype)
-        pool.value_cache[slot, a_i, pos] = v[lane, row].to(pool.value_cache.dtype)
+        pos = store_index.clamp(max=pool.max_len - 1)
+        pool.key_cache[write_slots, a_i, pos] = k.to(pool.key_cache.dtype)
+        pool.value_cache[write_slots, a_i, pos] = v.to(pool.value_cache.dtype)
 
         kmax = visible.shape[-1]
         read = slot_ids.clamp(min=0)

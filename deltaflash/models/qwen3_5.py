@@ -78,39 +78,39 @@ class Qwen35Model(nn.Module):
         keys = torch.arange(kmax, device=device)
         visible = keys.view(1, 1, kmax) <= batch.positions[..., None]
         visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
-        lanes = [i for i, s in enumerate(batch.slot_ids_host) if s >= 0]
-        lane = torch.tensor([i for i in lanes for _ in range(batch.n_rows_host[i])], dtype=torch.long, device=device)
-        row = torch.tensor([t for i in lanes for t in range(batch.n_rows_host[i])], dtype=torch.long, device=device)
+        rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
+        write_slots = pool.kv_write_slots(batch.slot_ids, rows_valid)
 
-        attend = lambda attn, h: attn(h, rope, batch.slot_ids, batch.positions, visible, pool, (lane, row))  # noqa: E731
+        attend = lambda attn, h: attn(h, rope, batch.slot_ids, batch.positions, visible, pool, write_slots)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
-        for i in lanes:
-            pool.lengths[batch.slot_ids_host[i]] = batch.start_host[i] + batch.n_rows_host[i]
+        for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
+            if slot >= 0:
+                pool.lengths[slot] = start + n
         if all_logits:
             return self.logits(x), taps
         last = (batch.n_rows - 1).clamp(min=0)
         return self.logits(x[torch.arange(L, device=device), last]), taps
 
     @torch.inference_mode()
-    def verify(self, batch: VerifyBatch, pool: SlotPool, verify_ops, tap_layer_ids=()) -> VerifyOutput:
+    def verify(self, batch: VerifyBatch, pool: SlotPool, verify_ops, tap_layer_ids=(),
+               kmax: int | None = None) -> VerifyOutput:
         """All lanes' W rows in one forward. GDN state is read only; attention K/V of row n is
-        written at start + n (past the committed length, so harmless until commit)."""
+        written at start + n (past the committed length, so harmless until commit). No host syncs:
+        with a fixed `kmax` (attention reads cache rows < kmax) the forward can be graph-captured."""
         L, W = batch.input_ids.shape
         device = batch.input_ids.device
         x = self.embed_tokens(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         store = batch.start[:, None] + torch.arange(W, device=device)
-        kmax = max(batch.start_host) + W
+        kmax = kmax or max(batch.start_host) + W
         keys = torch.arange(kmax, device=device).view(1, 1, kmax)
         in_block = keys - batch.start.view(L, 1, 1)  # node index of a key row inside the block
         ancestors = _ancestor_mask(batch.parents)  # [L, W, W]
         block_visible = ancestors.gather(2, in_block.clamp(0, W - 1).expand(L, W, kmax))
         visible = (in_block < 0) | ((in_block < W) & block_visible)
         visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
-        lanes = [i for i, s in enumerate(batch.slot_ids_host) if s >= 0]
-        lane = torch.tensor(lanes, dtype=torch.long, device=device).repeat_interleave(W)
-        row = torch.arange(W, device=device).repeat(len(lanes))
+        write_slots = pool.kv_write_slots(batch.slot_ids, torch.ones(L, W, dtype=torch.bool, device=device))
 
         windows, logs = [], []
 
@@ -120,7 +120,7 @@ class Qwen35Model(nn.Module):
             logs.append(log)
             return out
 
-        attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, (lane, row))  # noqa: E731
+        attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, write_slots)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
         return VerifyOutput(logits=self.logits(x), taps=taps,
                             conv_windows=torch.stack(windows), replay_log=torch.stack(logs))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import Qwen3Config
 
@@ -9,6 +11,10 @@ from deltaflash.engine.engine import Engine, EngineConfig
 from deltaflash.models.dflash import load_drafter
 from deltaflash.models.loader import load_model
 from tests.checkpoints import build_hf_model, save_checkpoint
+
+
+# DELTAFLASH_TEST_DEVICE=cuda runs the speculative tests on a GPU (fp32, fused verify route)
+DEVICE = os.environ.get("DELTAFLASH_TEST_DEVICE", "cpu")
 
 
 def save_drafter(folder, target_cfg, variant: str = "dflash", seed: int = 0, block_size: int = 6,
@@ -41,12 +47,12 @@ def make_pair(tmp_path, kind: str = "dense_gqa", variant: str = "dflash", seed: 
 
 def engine_for(target_dir, draft_dir=None, draft_source=None, **config):
     config = {"max_slots": 8, "max_model_len": 256} | config
-    model = load_model(target_dir, device="cpu", progress=False)
+    model = load_model(target_dir, device=DEVICE, dtype=torch.float32, progress=False)
     drafter = None
     if draft_dir is not None:
         drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size,
                                target_vocab_size=model.cfg.vocab_size, target_num_layers=model.cfg.num_layers,
-                               dtype=torch.float32, device="cpu")
+                               dtype=torch.float32, device=DEVICE)
     return Engine(model, None, drafter, EngineConfig(**config), draft_source=draft_source)
 
 

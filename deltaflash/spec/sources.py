@@ -37,8 +37,9 @@ class DFlashSource:
         """Returns drafts [L, W-1] and, per sampling lane, the q [W-1, V] they were drawn from.
         One drafter forward for all lanes; token choice per group of equal sampling settings."""
         drafter = self.drafter
+        longest = max(seq.position for seq in seqs)  # host-known bound: read no more context rows than that
         hidden = draft_hidden(drafter, self.context, self.model.embed_tokens.weight, slot_ids, anchors, start,
-                              width)[:, 1:]  # [L, W-1, H]
+                              width, max_context_len=longest)[:, 1:]  # [L, W-1, H]
         logits = drafter.logits(hidden, self.model.lm_head_weight)  # [L, W-1, V]
         tokens = logits.argmax(dim=-1)  # padding lanes keep these
         probs: list[torch.Tensor | None] = [None] * slot_ids.shape[0]

@@ -8,6 +8,8 @@ the anchor row is committed. Padding lanes (slot -1) read zeros and write nothin
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from deltaflash.cache.commit import commit
@@ -15,6 +17,13 @@ from deltaflash.engine.batch import CommitPlan, ExtendBatch, VerifyBatch
 from deltaflash.engine.request import Sequence, StepEvent
 from deltaflash.ops.verify_route import select_verify_ops
 from deltaflash.spec.acceptance import accept_greedy, accept_sampled
+
+
+def use_cuda_graphs(engine) -> bool:
+    """Verify rounds replay CUDA graphs on GPU for dense models (MoE routing syncs with the host),
+    unless DELTAFLASH_NO_CUDA_GRAPHS=1."""
+    return (engine.device.type == "cuda" and not engine.cfg.is_moe
+            and os.environ.get("DELTAFLASH_NO_CUDA_GRAPHS", "0") in ("", "0"))
 
 
 class Speculator:
@@ -25,6 +34,12 @@ class Speculator:
             raise ValueError(f"block size must be >= 2 to speculate, got {self.block_size}")
         self.tap_layer_ids = tuple(source.tap_layer_ids)
         self.verify_ops = select_verify_ops(engine.device)
+        self.graphs = None
+        if use_cuda_graphs(engine):
+            from deltaflash.engine.graphs import VerifyGraphRunner
+
+            self.graphs = VerifyGraphRunner(engine.model, engine.pool, self.verify_ops, self.block_size,
+                                            self.tap_layer_ids)
 
     def admit(self, seq: Sequence) -> None:
         self.source.admit(seq)
@@ -58,7 +73,9 @@ class Speculator:
             input_ids=torch.cat([anchors[:, None], drafts], dim=1), parents=(chain - 1).expand(L, W).contiguous(),
             positions=start[:, None] + chain, slot_ids=slot_ids, start=start,
             slot_ids_host=tuple(slots), start_host=tuple(starts))
-        out = engine.model.verify(batch, engine.pool, self.verify_ops, self.tap_layer_ids)
+        out = self.graphs.run(batch) if self.graphs else None
+        if out is None:
+            out = engine.model.verify(batch, engine.pool, self.verify_ops, self.tap_layer_ids)
 
         accepted = accept_greedy(out.logits, drafts, [i for i, s in enumerate(seqs) if s.params.greedy], n_draft)
         for i, seq in enumerate(seqs):

@@ -1,0 +1,76 @@
+"""CUDA graphs of the verify forward, captured per lane bucket.
+
+A round with L lanes replays the graph of the smallest bucket >= L. Inputs are copied into the
+bucket's static buffers; the lanes past L are padding lanes (slot id -1: they read zeros, their
+K/V rows go to the pool's sink and no state is touched), so padding costs nothing to correctness.
+Attention reads a fixed number of cache rows (the pool's max_len) so every replay has one shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaflash.engine.batch import VerifyBatch, VerifyOutput
+
+LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class VerifyGraphRunner:
+    def __init__(self, model, pool, verify_ops, width: int, tap_layer_ids=(), buckets=LANE_BUCKETS):
+        self.model, self.pool, self.verify_ops = model, pool, verify_ops
+        self.width, self.tap_layer_ids, self.buckets = width, tuple(tap_layer_ids), tuple(sorted(buckets))
+        self.device = model.embed_tokens.weight.device
+        self.memory_pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, VerifyBatch, VerifyOutput]] = {}
+
+    def bucket(self, lanes: int) -> int | None:
+        return next((b for b in self.buckets if b >= lanes), None)
+
+    def _static_batch(self, lanes: int) -> VerifyBatch:
+        W, dev = self.width, self.device
+        chain = torch.arange(W, device=dev)
+        return VerifyBatch(
+            input_ids=torch.zeros(lanes, W, dtype=torch.long, device=dev),
+            parents=(chain - 1).expand(lanes, W).contiguous(),
+            positions=chain.expand(lanes, W).contiguous(),
+            slot_ids=torch.full((lanes,), -1, dtype=torch.long, device=dev),
+            start=torch.zeros(lanes, dtype=torch.long, device=dev),
+            slot_ids_host=(-1,) * lanes, start_host=(0,) * lanes)
+
+    def _forward(self, batch: VerifyBatch) -> VerifyOutput:
+        return self.model.verify(batch, self.pool, self.verify_ops, self.tap_layer_ids, kmax=self.pool.max_len)
+
+    def _capture(self, lanes: int):
+        static = self._static_batch(lanes)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (Triton compiles, cuBLAS picks kernels) outside capture
+            for _ in range(2):
+                self._forward(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            out = self._forward(static)
+        self._graphs[lanes] = (graph, static, out)
+        return self._graphs[lanes]
+
+    def run(self, batch: VerifyBatch) -> VerifyOutput | None:
+        """Replay the bucket's graph for `batch` (a chain of width W); None when no bucket fits."""
+        L = batch.num_lanes
+        bucket = self.bucket(L)
+        if bucket is None or batch.width != self.width:
+            return None
+        graph, static, out = self._graphs.get(bucket) or self._capture(bucket)
+        static.input_ids[:L].copy_(batch.input_ids)
+        static.parents[:L].copy_(batch.parents)
+        static.positions[:L].copy_(batch.positions)
+        static.slot_ids[:L].copy_(batch.slot_ids)
+        static.start[:L].copy_(batch.start)
+        if L < bucket:
+            static.slot_ids[L:].fill_(-1)
+            static.input_ids[L:].zero_()
+            static.start[L:].zero_()
+            static.positions[L:].copy_(torch.arange(self.width, device=self.device).expand(bucket - L, -1))
+        graph.replay()
+        return VerifyOutput(logits=out.logits[:L], taps=None if out.taps is None else out.taps[:L],
+                            conv_windows=out.conv_windows[:, :L], replay_log=out.replay_log[:, :L])

@@ -1,0 +1,142 @@
+"""Commit of a verify round: replay the accepted rows of each lane into its slot's recurrent state and
+roll its conv history forward, all lanes and all GDN layers in one launch each.
+
+References: naive.replay_commit_ref, conv.naive.conv_commit_ref. Math and the bitwise contract: README.md.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deltaflash.errors import CommitRejectedError
+from deltaflash.ops.conv.naive import check_conv_commit_shapes
+from deltaflash.ops.gdn.naive import check_commit_lanes, check_replay_commit_shapes
+
+
+@triton.jit
+def replay_commit_kernel(
+    recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len,
+    stride_s_s, stride_s_g, stride_s_h, stride_s_k, stride_s_v,
+    stride_r_g, stride_r_l, stride_r_w, stride_r_h,
+    stride_n_l, stride_n_w,
+    L,
+    W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """One program: (layer, lane) i_gl, value head i_h, dv tile i_v. S = gamma S + k delta^T for the
+    lane's accepted rows in token order, exactly the verify kernel's update (fp fusion off)."""
+    i_gl, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_g, i_l = (i_gl // L).to(tl.int64), (i_gl % L).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+
+    i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
+    n_acc = tl.load(accepted_len + i_l).to(tl.int32)
+    if (i_s >= 0) & (n_acc > 0):
+        p_S = (recurrent_state + i_s * stride_s_s + i_g * stride_s_g + i_h * stride_s_h
+               + o_k[:, None].to(tl.int64) * stride_s_k + o_v[None, :].to(tl.int64) * stride_s_v)
+        m_S = m_k[:, None] & m_v[None, :]
+        b_S = tl.load(p_S, mask=m_S, other=0.0)
+        for t in range(0, W):
+            if t < n_acc:
+                i_n = tl.load(accepted_nodes + i_l * stride_n_l + t * stride_n_w).to(tl.int64)
+                p_log = replay_log + i_g * stride_r_g + i_l * stride_r_l + i_n * stride_r_w + i_h * stride_r_h
+                b_gamma = tl.load(p_log)
+                b_k = tl.load(p_log + 1 + o_k, mask=m_k, other=0.0)
+                b_delta = tl.load(p_log + 1 + K + o_v, mask=m_v, other=0.0)
+                b_S = b_S * b_gamma
+                b_S = b_S + b_k[:, None] * b_delta[None, :]
+        tl.store(p_S, b_S, mask=m_S)
+
+
+@triton.jit
+def conv_commit_kernel(
+    conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
+    stride_h_s, stride_h_g, stride_h_c, stride_h_t,
+    stride_x_g, stride_x_l, stride_x_c, stride_x_t,
+    stride_n_l, stride_n_w,
+    L, C,
+    K: tl.constexpr, BC: tl.constexpr,
+):
+    """One program: (layer, lane) i_gl, channel tile i_c. History column i := element accepted_len + i of
+    the sequence (history (K-1) | accepted path rows), read from the window."""
+    i_gl, i_c = tl.program_id(0), tl.program_id(1)
+    i_g, i_l = (i_gl // L).to(tl.int64), (i_gl % L).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
+    n_acc = tl.load(accepted_len + i_l).to(tl.int32)
+    m_c = (o_c < C) & (i_s >= 0) & (n_acc > 0)
+    p_win = windows + i_g * stride_x_g + i_l * stride_x_l + o_c.to(tl.int64) * stride_x_c
+    p_hist = conv_history + i_s * stride_h_s + i_g * stride_h_g + o_c.to(tl.int64) * stride_h_c
+    for i in tl.static_range(K - 1):
+        i_pos = n_acc + i
+        i_node = tl.load(accepted_nodes + i_l * stride_n_l + tl.maximum(i_pos - (K - 1), 0) * stride_n_w,
+                         mask=(i_pos >= K - 1) & (n_acc > 0), other=0)
+        i_col = tl.where(i_pos < K - 1, i_pos, K - 1 + i_node)
+        b_x = tl.load(p_win + i_col * stride_x_t, mask=m_c, other=0.0)
+        tl.store(p_hist + i * stride_h_t, b_x.to(conv_history.dtype.element_ty), mask=m_c)
+
+
+def replay_commit_fwd(recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len):
+    S, G, nv, dk, dv = recurrent_state.shape
+    L = state_slot_ids.shape[0]
+    if G * L == 0:
+        return
+    BK, BV = triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 32)
+    replay_commit_kernel[(G * L, nv, triton.cdiv(dv, BV))](
+        recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len,
+        *recurrent_state.stride(), *replay_log.stride()[:4], *accepted_nodes.stride(),
+        L,
+        W=replay_log.shape[2], K=dk, V=dv, BK=BK, BV=BV,
+        num_warps=4, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+
+
+def conv_commit_fwd(conv_history, windows, state_slot_ids, accepted_nodes, accepted_len):
+    S, G, C, Km1 = conv_history.shape
+    L = state_slot_ids.shape[0]
+    if G * L == 0:
+        return
+    BC = min(triton.next_power_of_2(C), 256)
+    conv_commit_kernel[(G * L, triton.cdiv(C, BC))](
+        conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
+        *conv_history.stride(), *windows.stride(), *accepted_nodes.stride(),
+        L, C,
+        K=Km1 + 1, BC=BC,
+        num_warps=4, num_stages=1,
+    )
+
+
+def _check_plan_device(pool, state_slot_ids, accepted_nodes, accepted_len, what):
+    for name, t in (("state_slot_ids", state_slot_ids), ("accepted_nodes", accepted_nodes),
+                    ("accepted_len", accepted_len)):
+        if t.device != pool.device:
+            raise CommitRejectedError(f"{what}: {name} is on {t.device}, the pool on {pool.device}")
+
+
+def replay_commit(recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len, *, validate=True):
+    """Fused replay_commit_ref (same arguments, in place). recurrent_state: the whole pool
+    [S, G, nv, dk, dv] fp32; replay_log [G, L, W, nv, 1+dk+dv] fp32 (last dim contiguous);
+    accepted_nodes [L, W]; accepted_len [L] in 0..W. Validates the whole transaction first (one host
+    sync) and raises CommitRejectedError with nothing changed; validate=False skips the data checks
+    when the caller already ran check_commit_lanes for this transaction."""
+    W = check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids)
+    if replay_log.stride(-1) != 1:
+        raise CommitRejectedError("replay commit: replay_log must be contiguous in its last dim")
+    _check_plan_device(recurrent_state, state_slot_ids, accepted_nodes, accepted_len, "replay commit")
+    if validate:
+        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, recurrent_state.shape[0], W, "replay commit")
+    replay_commit_fwd(recurrent_state, replay_log, state_slot_ids.contiguous(), accepted_nodes,
+                      accepted_len.contiguous())
+
+
+def conv_commit(conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, *, validate=True):
+    """Fused conv_commit_ref (same arguments, in place). conv_history: the whole pool [S, G, C, K-1];
+    windows [G, L, C, K-1+W]; accepted_nodes [L, W]; accepted_len [L] in 0..W. Validation as
+    replay_commit."""
+    W = check_conv_commit_shapes(conv_history, windows, state_slot_ids)
+    _check_plan_device(conv_history, state_slot_ids, accepted_nodes, accepted_len, "conv commit")
+    if validate:
+        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, conv_history.shape[0], W, "conv commit")
+    conv_commit_fwd(conv_history, windows, state_slot_ids.contiguous(), accepted_nodes, accepted_len.contiguous())

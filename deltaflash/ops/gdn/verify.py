@@ -1,0 +1,206 @@
+"""Mapped GDN verify: read each lane's recurrent state through its slot id, run the recurrence over the
+lane's rows following `parents`, write only the output and the replay log (never the state).
+
+Reference: naive.gdn_verify_ref. Math, tree handling and the bitwise contract: README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from deltaflash.ops.gdn.naive import check_verify_shapes
+
+MAX_WIDTH = 64  # rows per lane; BW = next power of two is held in registers
+
+if triton.knobs.runtime.interpret:
+    # The interpreter has no libdevice; numpy's functions stand in (CPU tests only).
+    @triton.jit
+    def exact_exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def exact_log1p(x):
+        return tl.log(1.0 + x)
+
+    @triton.jit
+    def exact_rsqrt(x):
+        return tl.math.rsqrt(x)
+else:
+    # libdevice __nv_expf / __nv_log1pf / __nv_rsqrtf: what torch's CUDA kernels call (tl.exp is ex2.approx).
+    @triton.jit
+    def exact_exp(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def exact_log1p(x):
+        return libdevice.log1p(x)
+
+    @triton.jit
+    def exact_rsqrt(x):
+        return libdevice.rsqrt(x)
+
+
+@triton.jit
+def halving_sum(x, BK: tl.constexpr, LOG_BK: tl.constexpr):
+    """[BK] -> scalar: add element i and i + n/2 for n = BK, BK/2, ..., 2 (naive.halving_sum's order)."""
+    for i in tl.static_range(LOG_BK):
+        x = tl.sum(tl.reshape(x, [2, BK >> (i + 1)]), axis=0)  # a sum of two is one exact-order add
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def halving_sum_rows(x, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr):
+    """[BK, BV] -> [BV]: the sum over axis 0 in naive.halving_sum's order."""
+    for i in tl.static_range(LOG_BK):
+        x = tl.sum(tl.reshape(x, [2, BK >> (i + 1), BV]), axis=0)
+    return tl.reshape(x, [BV])
+
+
+@triton.jit
+def gdn_verify_kernel(
+    q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
+    stride_q_l, stride_q_w, stride_q_h, stride_q_d,
+    stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+    stride_v_l, stride_v_w, stride_v_h, stride_v_d,
+    stride_a_l, stride_a_w, stride_a_h,
+    stride_b_l, stride_b_w, stride_b_h,
+    stride_s_s, stride_s_h, stride_s_k, stride_s_v,
+    stride_p_l, stride_p_w,
+    scale,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, LOG_BK: tl.constexpr,
+):
+    """One program: lane i_l, value head i_h, dv tile i_v; the [BK, BV] state tile lives in registers.
+    Node n continues from node n-1's state when parents[n] == n-1 (the chain case, free). Otherwise the
+    parent's state is rebuilt from the slot state by replaying the parent's root path from this
+    program's own replay-log rows (same update, so bit-identical to the state the chain would have)."""
+    i_v, i_h, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_l = i_l.to(tl.int64)
+    i_hk = i_h // (HV // HK)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_w = tl.arange(0, BW)
+    m_k, m_v = o_k < K, o_v < V
+    E: tl.constexpr = 1 + K + V  # replay log entry: [gamma, k (K), delta (V)]
+
+    i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
+    p_S0 = recurrent_state + i_s * stride_s_s + i_h * stride_s_h
+    o_S = o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v
+    m_S0 = m_k[:, None] & m_v[None, :] & (i_s >= 0)
+    b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
+
+    b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-1).to(tl.int32)
+    # a tree lane needs whole k rows in every program's log rows (identical values) to rebuild states
+    is_tree = tl.sum(((b_par != o_w - 1) & (o_w < W)).to(tl.int32)) > 0
+    b_neg_A = -exact_exp(tl.load(A_log + i_h).to(tl.float32))
+    b_dt = tl.load(dt_bias + i_h).to(tl.float32)
+    p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
+
+    for n in range(0, W):
+        i_p = tl.sum(tl.where(o_w == n, b_par, 0))
+        if i_p != n - 1:
+            tl.debug_barrier()  # this program's log rows of nodes < n are visible to all its threads
+            b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
+            b_anc = tl.zeros([BW], dtype=tl.int32)  # 1 on the root path of i_p
+            i_c = i_p
+            for _ in range(0, n):
+                b_anc = tl.where(o_w == i_c, 1, b_anc)
+                i_c = tl.sum(tl.where(o_w == i_c, b_par, 0)) + tl.where(i_c < 0, -1, 0)
+            for m in range(0, n):
+                if tl.sum(tl.where(o_w == m, b_anc, 0)) > 0:
+                    p_m = p_log_lane + m * HV * E
+                    b_gm = tl.load(p_m)
+                    b_km = tl.load(p_m + 1 + o_k, mask=m_k, other=0.0)
+                    b_dm = tl.load(p_m + 1 + K + o_v, mask=m_v, other=0.0)
+                    b_S = b_S * b_gm
+                    b_S = b_S + b_km[:, None] * b_dm[None, :]
+
+        # gates: g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)
+        b_x = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h).to(tl.float32) + b_dt
+        b_g = b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x)))
+        b_gamma = exact_exp(b_g)
+        b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h).to(tl.float32)
+        b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b))
+
+        b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
+                      mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_l * stride_k_l + n * stride_k_w + i_hk * stride_k_h + o_k * stride_k_d,
+                      mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
+                      mask=m_v, other=0.0).to(tl.float32)
+        b_q = b_q * exact_rsqrt(halving_sum(b_q * b_q, BK, LOG_BK) + 1e-6) * scale
+        b_k = b_k * exact_rsqrt(halving_sum(b_k * b_k, BK, LOG_BK) + 1e-6)
+
+        # decayed = gamma * S; delta = beta * (v - decayed^T k); S = decayed + k delta^T; o = S^T q
+        b_S = b_S * b_gamma
+        b_delta = b_beta * (b_v - halving_sum_rows(b_S * b_k[:, None], BK, BV, LOG_BK))
+        b_S = b_S + b_k[:, None] * b_delta[None, :]
+        b_o = halving_sum_rows(b_S * b_q[:, None], BK, BV, LOG_BK)
+
+        tl.store(o + ((i_l * W + n) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        p_n = p_log_lane + n * HV * E
+        if (i_v == 0) | is_tree:
+            tl.store(p_n, b_gamma)
+            tl.store(p_n + 1 + o_k, b_k, mask=m_k)
+        tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v)
+
+
+def verify_tiles(dk: int, dv: int):
+    """(BK, BV, num_warps) of the verify kernel. Sums over dk are halving trees (naive.halving_sum), so
+    results do not depend on this choice. BV 16 / 4 warps: 128 registers, no spills at dk = dv = 128
+    on sm_90 (ptxas); not yet tuned on hardware."""
+    BK = triton.next_power_of_2(dk)
+    BV = min(triton.next_power_of_2(dv), 16)
+    return BK, BV, 4
+
+
+def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log):
+    """Allocate the outputs (unless given) and launch one program per (dv tile, value head, lane)."""
+    L, W, nk, dk = q.shape
+    nv, dv = v.shape[2:]
+    if o is None:
+        o = torch.empty(L, W, nv, dv, dtype=q.dtype, device=q.device)
+    if replay_log is None:
+        replay_log = torch.empty(L, W, nv, 1 + dk + dv, dtype=torch.float32, device=q.device)
+    if L == 0:
+        return o, replay_log
+    BK, BV, num_warps = verify_tiles(dk, dv)
+    grid = (triton.cdiv(dv, BV), nv, L)
+    gdn_verify_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
+        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *recurrent_state.stride(),
+        *parents.stride(),
+        dk ** -0.5,
+        HK=nk, HV=nv, K=dk, V=dv, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W), LOG_BK=BK.bit_length() - 1,
+        num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return o, replay_log
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, *,
+               out=None, replay_log_out=None):
+    """Fused gdn_verify_ref (same arguments and results). q, k: [L, W, nk, dk]; v: [L, W, nv, dv];
+    a, b: [L, W, nv] raw (strided views are fine); A_log, dt_bias: [nv]; recurrent_state [S, nv, dk, dv]
+    fp32 (a layer view of the pool, read only); state_slot_ids [L] (-1 padding); parents [L, W].
+    out [L, W, nv, dv] (q's dtype) and replay_log_out [L, W, nv, 1+dk+dv] fp32, contiguous, may be
+    given (e.g. one layer of a stacked log). Returns (o, replay_log). No host sync."""
+    check_verify_shapes(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents)
+    L, W, nk, dk = q.shape
+    nv, dv = v.shape[2:]
+    if not 1 <= W <= MAX_WIDTH:
+        raise ValueError(f"verify width W={W} must be in [1, {MAX_WIDTH}]")
+    tensors = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, recurrent_state=recurrent_state,
+                   state_slot_ids=state_slot_ids, parents=parents)
+    for name, t in tensors.items():
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    for name, t, shape, dtype in (("out", out, (L, W, nv, dv), q.dtype),
+                                  ("replay_log_out", replay_log_out, (L, W, nv, 1 + dk + dv), torch.float32)):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
+                              or t.device != q.device):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
+    return gdn_verify_fwd(q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), recurrent_state,
+                          state_slot_ids.contiguous(), parents, out, replay_log_out)

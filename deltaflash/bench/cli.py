@@ -4,10 +4,10 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from deltaflash.bench import model
+    from deltaflash.bench import kernels, model, round, serve
 
     bench = sub.add_parser("bench", help="benchmarks (GPU for meaningful numbers)")
     what = bench.add_subparsers(dest="bench", required=True)
-    for module in (model,):
+    for module in (model, kernels, round, serve):
         module.register(what)
     bench.set_defaults(func=lambda args: 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from deltaflash.cache.slots import SlotPool
 from deltaflash.engine.batch import ExtendBatch
 from deltaflash.engine.request import (
-    Completion, SamplingParams, Sequence, Status, StepEvent, next_request_id,
+    Completion, SamplingParams, Sequence, Status, StepEvent, StepReport, next_request_id,
 )
 from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
@@ -43,20 +44,20 @@ class Engine:
         self.cfg = model.cfg
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
-        self.speculator = None
-        extra_rows = 0
         if drafter is not None:
             from deltaflash.spec.sources import DFlashSource
 
             width = config.block_size or drafter.config.block_size
             draft_source = DFlashSource(drafter, model, config.max_slots, config.max_model_len + width,
                                         self.dtype, self.device)
+        width = (config.block_size or draft_source.block_size) if draft_source is not None else 0
+        # verify rows of a sequence at its last position reach up to W - 1 positions further
+        self.pool = SlotPool(self.cfg, config.max_slots, config.max_model_len + width, self.dtype, self.device)
+        self.speculator = None
         if draft_source is not None:
             from deltaflash.spec.speculator import Speculator
 
             self.speculator = Speculator(self, draft_source, config.block_size)
-            extra_rows = self.speculator.block_size
-        self.pool = SlotPool(self.cfg, config.max_slots, config.max_model_len + extra_rows, self.dtype, self.device)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
@@ -110,25 +111,34 @@ class Engine:
         return bool(self.waiting or self.running)
 
     # ---- the step -------------------------------------------------------------------------
-    def step(self) -> list[StepEvent]:
+    def step(self, on_report: Callable[[StepReport], None] | None = None) -> list[StepEvent]:
+        """One round; `on_report` (optional) receives what it did, for metrics."""
         events: list[StepEvent] = []
         self._retire_cancelled(events)
+        admitted = 0
         while self.waiting and self.pool.num_free:
             seq = self.waiting.popleft()
             seq.slot, seq.status = self.pool.admit(), Status.PREFILLING
             self.running[seq.request_id] = seq
             if self.speculator:
                 self.speculator.admit(seq)
+            admitted += 1
         prefilling = [s for s in self.running.values() if s.status is Status.PREFILLING]
         decoding = [s for s in self.running.values() if s.status is Status.DECODING]
+        t0, prefilled = time.perf_counter(), self.stats["prefill_tokens"]
         if prefilling:
             self._prefill(prefilling, events)
+        t1 = time.perf_counter()
         if decoding:
             if self.speculator:
                 self.speculator.round(decoding, events)
             else:
                 self._decode(decoding, events)
             self.stats["decode_rounds"] += 1
+        if on_report is not None:
+            accepted = tuple(s.accepted_lengths[-1] for s in decoding) if self.speculator else ()
+            on_report(StepReport(admitted, self.stats["prefill_tokens"] - prefilled, t1 - t0, len(decoding),
+                                 time.perf_counter() - t1, accepted))
         return events
 
     def _prefill(self, seqs: list[Sequence], events: list[StepEvent]) -> None:

@@ -1,0 +1,107 @@
+"""`deltaflash bench round`: a full speculative round of the Qwen3.5-9B shape (random bf16 weights,
+scripted drafts) at several concurrencies, as a ratio to the weight-read limit, fused vs unfused."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, time_ms, write_json
+from deltaflash.engine.batch import VerifyBatch
+from deltaflash.engine.engine import Engine, EngineConfig
+from deltaflash.engine.request import SamplingParams, Status
+from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
+from deltaflash.ops.verify_route import fused_ops, unfused_ops
+from deltaflash.spec.sources import ScriptedSource
+
+
+def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int) -> Engine:
+    """An engine with `lanes` sequences past prefill, drafting from a (random) script."""
+    cfg = model.cfg
+    source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
+    engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, prefill_chunk=4096),
+                    draft_source=source)
+    gen = torch.Generator().manual_seed(lanes)
+    for _ in range(lanes):
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_new_tokens=max_len - prompt_len - 1, ignore_eos=True))
+    while any(s.status is not Status.DECODING for s in engine.running.values()) or engine.waiting:
+        engine.step()
+    return engine
+
+
+def verify_batch(engine) -> VerifyBatch:
+    seqs = list(engine.running.values())
+    W, dev = engine.speculator.block_size, engine.device
+    chain = torch.arange(W, device=dev)
+    start = torch.tensor([s.position for s in seqs], device=dev)
+    return VerifyBatch(input_ids=torch.randint(0, engine.cfg.vocab_size, (len(seqs), W), device=dev),
+                       parents=(chain - 1).expand(len(seqs), W).contiguous(), positions=start[:, None] + chain,
+                       slot_ids=torch.tensor([s.slot for s in seqs], device=dev), start=start,
+                       slot_ids_host=tuple(s.slot for s in seqs), start_host=tuple(s.position for s in seqs))
+
+
+def round_ms(engine, rounds: int) -> float:
+    """Median wall time of engine.step() (one round over all lanes, host work included)."""
+    times = []
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@torch.inference_mode()
+def run(args) -> dict:
+    cfg = qwen35_9b_config(args.layers)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    _, read_bytes = weight_bytes(model)
+    bw = copy_bandwidth_gbs("cuda")
+    limit = read_bytes / (bw * 1e9) * 1e3
+    rows, graphs = [], False
+    for lanes in args.lanes:
+        engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len)
+        spec = engine.speculator
+        graphs = spec.graphs is not None
+        batch = verify_batch(engine)
+        row = {"lanes": lanes}
+        for name, ops in (("fused", fused_ops()), ("unfused", unfused_ops())):
+            spec.verify_ops = ops
+            if spec.graphs is not None:
+                spec.graphs = type(spec.graphs)(model, engine.pool, ops, args.width, spec.tap_layer_ids)
+                spec.graphs.run(batch)  # capture outside the timing
+            run_verify = (lambda: spec.graphs.run(batch)) if spec.graphs else \
+                (lambda: model.verify(batch, engine.pool, ops, spec.tap_layer_ids))
+            row[f"{name}_verify_ms"] = time_ms(run_verify, 3, 10)
+            row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
+        row["weight_read_ms"] = limit
+        row["verify/limit"] = row["fused_verify_ms"] / limit
+        row["round/limit"] = row["fused_round_ms"] / limit
+        row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
+        rows.append(row)
+        del engine
+        torch.cuda.empty_cache()
+    print(f"weight bytes read per forward {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
+          f"weight-read limit {limit:.2f} ms; W = {args.width}; CUDA graphs: "
+          f"{'on' if graphs else 'off'}")
+    print_table("speculative round, Qwen3.5-9B shape, random bf16 weights, scripted drafts", rows)
+    result = {"machine": machine(), "weight_read_limit_ms": limit, "copy_bandwidth_gbs": bw, "rows": rows}
+    write_json(args.json, result)
+    return result
+
+
+def register(sub) -> None:
+    p = sub.add_parser("round", help="a full speculative round of the 9B shape vs the weight-read limit (CUDA)")
+    p.add_argument("--lanes", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)

@@ -83,6 +83,20 @@ class StepEvent:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """What one step did, for metrics. Seconds are host wall time (on GPU a phase's kernels may
+    finish inside the next one: only sampling and acceptance sync). `accepted_lengths` has one
+    entry per lane of the speculative round (1 + accepted drafts); () without a drafter."""
+
+    admitted: int
+    prefill_tokens: int
+    prefill_s: float
+    decode_lanes: int
+    decode_s: float
+    accepted_lengths: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Completion:
     request_id: str
     prompt_ids: list[int]

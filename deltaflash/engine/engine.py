@@ -111,6 +111,7 @@ class Engine:
         return bool(self.waiting or self.running)
 
     # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self, on_report: Callable[[StepReport], None] | None = None) -> list[StepEvent]:
         """One round; `on_report` (optional) receives what it did, for metrics."""
         events: list[StepEvent] = []

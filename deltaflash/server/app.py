@@ -1,0 +1,141 @@
+"""The HTTP layer: FastAPI routes. Handlers validate, tokenize, submit a job to the scheduler and relay
+its outputs; they never touch the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deltaflash.server.errors import (
+    ApiError, ModelNotFound, NotFound, PayloadTooLarge, QueueFull, ServerFailure, ServerUnavailable, Unauthorized,
+)
+from deltaflash.server.frontend import Frontend, Prepared
+from deltaflash.server.metrics import Metrics
+from deltaflash.server.protocol import ApiRequest, parse_chat, parse_completion, parse_json
+from deltaflash.server.relay import collect, stream
+from deltaflash.server.responses import Formatter
+from deltaflash.server.scheduler import Job, Scheduler
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None         # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_body_bytes: int = 32 << 20
+
+
+def build_app(frontend: Frontend, scheduler: Scheduler, metrics: Metrics, settings: ServerSettings,
+              on_ready: Callable[[], None] | None = None) -> FastAPI:
+    card = frontend.card
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        if on_ready is not None:
+            on_ready()
+        yield
+        await asyncio.to_thread(scheduler.close)
+
+    app = FastAPI(title="deltaflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        outcome = {Unauthorized: "unauthorized", QueueFull: "queue_full", ServerUnavailable: "unavailable"}
+        if not isinstance(exc, ServerFailure):
+            metrics.requests.labels(outcome=outcome.get(type(exc), "invalid")).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        err = NotFound(f"no route {request.method} {request.url.path}") if exc.status_code == 404 else \
+            ApiError(f"{request.method} {request.url.path}: {exc.detail}", code=f"http_{exc.status_code}")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        return JSONResponse(ServerFailure(f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+        if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise Unauthorized("incorrect API key in the Authorization header")
+
+    @app.get("/health")
+    async def health():
+        load = scheduler.load
+        status = "ok" if load.alive and not load.draining else ("draining" if load.alive else "failed")
+        body = {"status": status, "active_slots": load.active_slots, "queued": load.queued,
+                "max_slots": load.max_slots}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_entry() -> dict:
+        return {"id": card.name, "object": "model", "created": card.created, "owned_by": "deltaflash",
+                "max_model_len": card.max_model_len, "vocab_size": card.vocab_size}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [model_entry()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        authorize(request)
+        if model_id != card.name:
+            raise ModelNotFound(f"model {model_id!r} does not exist; this server serves {card.name!r}", param="model")
+        return model_entry()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool):
+        authorize(request)
+        body = parse_json(await _read_body(request, settings.max_body_bytes))
+        req: ApiRequest = parse_chat(body) if chat else parse_completion(body)
+        prep: Prepared = frontend.prepare(req)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        scheduler.submit(Job(request_id, prep.prompt_ids, prep.params, prep.stop_strings,
+                             lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)))
+        fmt = Formatter(chat, request_id, card.name, int(time.time()), req.return_token_ids)
+        cancel = functools.partial(scheduler.cancel, request_id)
+        if req.stream:
+            return StreamingResponse(stream(outputs, fmt, req.include_usage, cancel), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await collect(outputs, fmt, prep.prompt_ids, request.receive, cancel)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,33 @@
+"""`deltaflash serve`: the OpenAI-compatible server (FastAPI + uvicorn, one scheduler thread)."""
+
+from __future__ import annotations
+
+import os
+
+from deltaflash.cli import _engine_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_args(p)
+    p.add_argument("--max-concurrency", type=int, default=8, help="slots: sequences served together")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests admitted beyond the slots to wait for one; more get HTTP 429")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per round, over all prompts")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the chosen one is printed)")
+    p.add_argument("--api-key", default=os.environ.get("DELTAFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DELTAFLASH_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the model folder's name)")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds; a request running longer is cancelled (0: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from deltaflash.server.launcher import serve
+
+    return serve(args)

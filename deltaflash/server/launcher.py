@@ -1,0 +1,93 @@
+"""Building the server from `deltaflash serve` flags and running it under uvicorn until a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from deltaflash.cli import _default_model
+from deltaflash.engine.engine import Engine
+from deltaflash.errors import DeltaflashError
+from deltaflash.server.app import ServerSettings, build_app
+from deltaflash.server.frontend import Frontend, ModelCard
+from deltaflash.server.metrics import Metrics
+from deltaflash.server.scheduler import Scheduler, SchedulerConfig
+from deltaflash.tokenizer import load_tokenizer
+
+
+def serve(args) -> int:
+    for name, value, low in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
+                             ("--prefill-chunk", args.prefill_chunk, 1), ("--request-timeout", args.request_timeout, 0),
+                             ("--shutdown-timeout", args.shutdown_timeout, 0)):
+        if value < low:
+            raise DeltaflashError(f"{name} must be >= {low}, got {value}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = build_engine(args)
+    block = engine.speculator.block_size if engine.speculator else 0
+    card = ModelCard(args.served_model_name or Path(args.model).resolve().name, engine.cfg.vocab_size,
+                     engine.config.max_model_len, block, int(time.time()))
+    metrics = Metrics(block)
+    scheduler = Scheduler(engine, SchedulerConfig(max_queue=args.max_queue, request_timeout_s=args.request_timeout),
+                          metrics)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        raise DeltaflashError(f"--host {args.host} --port {args.port}: cannot listen there ({exc})") from None
+    port = sock.getsockname()[1]
+
+    def ready() -> None:
+        print(f"deltaflash serve: model {card.name!r} on http://{args.host}:{port} "
+              f"({engine.config.max_slots} slots, queue {args.max_queue})", file=sys.stderr, flush=True)
+
+    app = build_app(Frontend(card, load_tokenizer(args.model)), scheduler, metrics,
+                    ServerSettings(api_key=args.api_key), on_ready=ready)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+    DrainingServer(config, scheduler, args.shutdown_timeout).run(sockets=[sock])
+    print("deltaflash serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def build_engine(args) -> Engine:
+    _default_model(args)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=False,
+                                  max_slots=args.max_concurrency, max_model_len=args.max_model_len,
+                                  prefill_chunk=args.prefill_chunk, block_size=args.block_size)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn where SIGTERM/SIGINT first drain the scheduler (stop admitting; in-flight requests finish
+    or are cancelled at the deadline, so every stream ends with a finish_reason) and the process then
+    exits 0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, deadline_s: float):
+        super().__init__(config)
+        self.scheduler, self.deadline_s = scheduler, deadline_s
+
+    def handle_exit(self, sig, frame) -> None:
+        self.scheduler.drain(self.deadline_s)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

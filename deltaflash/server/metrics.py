@@ -1,0 +1,51 @@
+"""Prometheus metrics of one server, in a registry it owns (no process-wide collectors).
+
+Written by the scheduler thread (rounds, slots, finished requests) and the HTTP handlers (requests
+rejected before admission); prometheus_client's collectors are thread-safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deltaflash.engine.request import StepReport
+
+_PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# outcomes of `deltaflash_requests_total`
+FINISHED = ("stop", "length")
+RETIRED = ("cancelled", "timeout", "shutdown", "error")  # cancelled: the client went away
+REJECTED = ("invalid", "unauthorized", "queue_full", "unavailable")  # never admitted
+
+
+class Metrics:
+    def __init__(self, block_size: int = 0):
+        """block_size: speculative block W (accepted lengths run 1..W); 0 without a drafter."""
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("deltaflash_requests", "Requests by outcome", ["outcome"], registry=r)
+        for outcome in FINISHED + RETIRED + REJECTED:
+            self.requests.labels(outcome=outcome)
+        self.queue_depth = Gauge("deltaflash_queue_depth", "Admitted requests waiting for a slot", registry=r)
+        self.active_slots = Gauge("deltaflash_active_slots", "Slots holding a live sequence", registry=r)
+        self.prompt_tokens = Counter("deltaflash_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("deltaflash_generated_tokens", "Tokens generated", registry=r)
+        buckets = tuple(range(1, max(block_size, 1) + 1))
+        self.accepted_length = Histogram("deltaflash_accepted_length",
+                                         "Tokens committed per lane per speculative round (1 + accepted drafts)",
+                                         buckets=buckets, registry=r)
+        self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",
+                                       ["phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self.ttft = Histogram("deltaflash_time_to_first_token_seconds", "Submission to first generated token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+
+    def observe_step(self, report: StepReport) -> None:
+        if report.prefill_tokens:
+            self.phase_seconds.labels(phase="prefill").observe(report.prefill_s)
+        if report.decode_lanes:
+            self.phase_seconds.labels(phase="decode").observe(report.decode_s)
+        for n in report.accepted_lengths:
+            self.accepted_length.observe(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,266 @@
+"""The scheduler thread: the engine's only caller. Admission, rounds and retirement happen here.
+
+HTTP handlers talk to it through `submit` and `cancel` (a thread-safe inbox) and hear back through
+each job's `sink`. Between two engine steps (a round boundary) it takes new jobs, aborts cancelled
+and timed-out ones, and turns step events into text (`TextStream`, stop strings).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deltaflash.engine.request import SamplingParams, StepEvent
+from deltaflash.errors import RequestError
+from deltaflash.server.errors import QueueFull, ServerUnavailable
+from deltaflash.server.metrics import Metrics
+from deltaflash.server.textstream import TextStream
+
+log = logging.getLogger("deltaflash.server")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int = 64            # admitted requests beyond the slots, waiting for one
+    request_timeout_s: float = 0   # 0: none; a request older than this is retired ("cancelled")
+    idle_wait_s: float = 0.5       # how long an idle scheduler sleeps between inbox checks
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one request got since its previous Output. The last one has `finish_reason`
+    (stop | length | cancelled) or `error` (the server failed; HTTP 500)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int          # so far, including these
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request. `sink` runs on the scheduler thread and must not block."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stop_strings: tuple[str, ...]
+    sink: Callable[[Output], None]
+
+
+@dataclass(frozen=True)
+class Load:
+    """Published by the scheduler after each step, read by /health."""
+
+    active_slots: int
+    queued: int
+    max_slots: int
+    draining: bool = False
+    alive: bool = True
+
+
+@dataclass
+class _Live:
+    """A job inside the engine (scheduler thread only)."""
+
+    job: Job
+    text: TextStream
+    deadline: float                  # time.monotonic(); inf: none
+    submitted: float
+    completion_tokens: int = 0
+    answered: bool = False           # final Output sent (a stop string ended it); awaiting retirement
+    abort_reason: str | None = None  # cancelled | timeout | shutdown, once aborted
+    first_token: bool = False
+
+
+class Scheduler:
+    def __init__(self, engine, config: SchedulerConfig, metrics: Metrics):
+        self._engine, self.config, self._metrics = engine, config, metrics
+        self.max_slots = engine.config.max_slots
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # Job to admit, or request id (str) to cancel
+        self._wake = threading.Event()
+        self._lock = threading.Lock()   # guards _outstanding, _draining, _drain_deadline, _closing
+        self._outstanding = 0           # submitted and not yet retired by the engine
+        self._draining, self._drain_deadline, self._closing = False, math.inf, False
+        self._live: dict[str, _Live] = {}
+        self._thread = threading.Thread(target=self._run, name="deltaflash-scheduler", daemon=True)
+        self.load = Load(0, 0, self.max_slots)
+
+    # ---- called from HTTP handlers (any thread) --------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._draining or not self.load.alive:
+                raise ServerUnavailable("the server is shutting down" if self._draining else "the scheduler failed")
+            capacity = self.max_slots + self.config.max_queue
+            if self._outstanding >= capacity:
+                raise QueueFull(f"all {self.max_slots} slots are busy and the queue holds its maximum "
+                                f"{self.config.max_queue} requests (--max-queue); retry later")
+            self._outstanding += 1
+            self._inbox.put(job)  # under the lock: a failing scheduler answers every job it let in
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Retire a request at the next round boundary (no-op once it has finished)."""
+        self._inbox.put(request_id)
+        self._wake.set()
+
+    def drain(self, deadline_s: float) -> None:
+        """Stop admitting; requests still running `deadline_s` from now are cancelled."""
+        with self._lock:
+            self._draining = True
+            self._drain_deadline = min(self._drain_deadline, time.monotonic() + deadline_s)
+        self._wake.set()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel what is left, retire it and stop the thread."""
+        self.drain(0)
+        with self._lock:
+            self._closing = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---- the scheduler thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                self._loop()
+        except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
+            log.exception("scheduler failed")
+            self._fail_all(f"the scheduler failed: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
+        while True:
+            self._take_inbox()
+            self._expire()
+            if not self._engine.has_work():
+                self._publish()
+                with self._lock:
+                    if self._closing:
+                        return
+                self._wake.wait(self.config.idle_wait_s)
+                self._wake.clear()
+                continue
+            for event in self._engine.step(on_report=self._metrics.observe_step):
+                self._route(event)
+            self._publish()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Job):
+                self._admit(item)
+            else:
+                self._abort(item, "cancelled")
+
+    def _admit(self, job: Job) -> None:
+        try:
+            self._engine.add_request(list(job.prompt_ids), job.params, job.request_id)
+        except RequestError as exc:  # the frontend checks first; this is a safety net
+            self._release("error")
+            self._deliver(job, Output("", (), len(job.prompt_ids), 0, error=str(exc)))
+            return
+        now = time.monotonic()
+        timeout = self.config.request_timeout_s
+        self._live[job.request_id] = _Live(job, TextStream(self._engine.tokenizer, job.stop_strings),
+                                           now + timeout if timeout > 0 else math.inf, now)
+        self._metrics.prompt_tokens.inc(len(job.prompt_ids))
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None and live.abort_reason is None:
+            live.abort_reason = reason
+            self._engine.abort(request_id)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            shutdown = now >= self._drain_deadline
+        for rid, live in list(self._live.items()):
+            if shutdown:
+                self._abort(rid, "shutdown")
+            elif now >= live.deadline:
+                self._abort(rid, "timeout")
+
+    def _route(self, event: StepEvent) -> None:
+        live = self._live[event.request_id]
+        if live.answered:  # ended by a stop string; the engine has now retired it
+            if event.finish_reason:
+                self._retire(live, "stop")
+            return
+        tokens, reason = event.token_ids, event.finish_reason
+        n_text = len(tokens) - 1 if reason == "stop" else len(tokens)  # a stop token is not text
+        kept = tokens
+        for i, tok in enumerate(tokens[:n_text]):
+            live.text.push(tok)
+            if live.text.stopped:
+                kept, reason = tokens[:i + 1], "stop"
+                break
+        if kept and not live.first_token:
+            live.first_token = True
+            self._metrics.ttft.observe(time.monotonic() - live.submitted)
+        live.completion_tokens += len(kept)
+        self._metrics.generated_tokens.inc(len(kept))
+        if reason is not None:
+            live.text.finish()
+        self._deliver(live.job, Output(live.text.take(final=reason is not None), kept, len(live.job.prompt_ids),
+                                       live.completion_tokens, reason))
+        if event.finish_reason:
+            self._retire(live, live.abort_reason or reason)
+        elif reason is not None:  # a stop string: answered now, slot freed at the next step
+            live.answered = True
+            self._engine.abort(event.request_id)
+
+    def _retire(self, live: _Live, outcome: str) -> None:
+        del self._live[live.job.request_id]
+        self._release(outcome)
+
+    def _release(self, outcome: str) -> None:
+        with self._lock:
+            self._outstanding -= 1
+        self._metrics.requests.labels(outcome=outcome).inc()
+
+    def _deliver(self, job: Job, out: Output) -> None:
+        try:
+            job.sink(out)
+        except Exception:  # a handler's event loop already closed: nobody is listening
+            log.debug("dropped output for %s", job.request_id, exc_info=True)
+
+    def _publish(self) -> None:
+        pool = self._engine.pool
+        with self._lock:
+            queued = max(self._outstanding - pool.num_live, 0)
+            draining = self._draining
+        self.load = Load(pool.num_live, queued, self.max_slots, draining)
+        self._metrics.active_slots.set(pool.num_live)
+        self._metrics.queue_depth.set(queued)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            self.load = Load(0, 0, self.max_slots, self._draining, alive=False)
+        for live in list(self._live.values()):
+            self._deliver(live.job, Output("", (), len(live.job.prompt_ids), live.completion_tokens, error=message))
+            self._retire(live, "error")
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Job):
+                self._deliver(item, Output("", (), len(item.prompt_ids), 0, error=message))
+                self._release("error")

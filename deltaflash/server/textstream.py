@@ -1,0 +1,73 @@
+"""Incremental detokenization of one request's output, cut at the first stop string.
+
+Text advances over a window of token ids [prefix, ...): the window's first tokens give the decoder
+its left context (leading spaces), and the read offset only moves when the newest text ends on a
+complete character, so the concatenated deltas equal `tokenizer.decode(all ids)`.
+"""
+
+from __future__ import annotations
+
+_INCOMPLETE = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut by a token boundary
+
+
+class TextStream:
+    """`push(token)` adds one generated token; `take()` returns the text not yet taken that is safe to
+    send: complete characters, minus a tail that could still grow into a stop string. After a stop
+    string `stopped` is True and the text ends just before it."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        self.longest_stop = max((len(s) for s in stop_strings), default=0)
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: context tokens already turned into text
+        self.read_offset = 0    # tokens before this are in `text`
+        self.text = ""
+        self.taken = 0          # characters of `text` handed out by take()
+        self.stopped = False
+
+    def push(self, token_id: int) -> None:
+        if self.stopped:
+            return
+        self.ids.append(token_id)
+        if self.tokenizer is None:
+            return
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith(_INCOMPLETE):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._append(after[len(before):])
+
+    def finish(self) -> None:
+        """No more tokens: flush text still held for an incomplete character."""
+        if self.tokenizer is None or self.stopped or self.read_offset == len(self.ids):
+            return
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        self.read_offset = len(self.ids)
+        self._append(after[len(before):])
+
+    def take(self, final: bool = False) -> str:
+        end = len(self.text)
+        if not (final or self.stopped):
+            end -= self._stop_prefix_len()
+        out = self.text[self.taken:end]
+        self.taken = max(self.taken, end)
+        return out
+
+    def _append(self, delta: str) -> None:
+        search_from = max(0, len(self.text) - self.longest_stop + 1)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        for k in range(min(self.longest_stop - 1, len(self.text) - self.taken), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop_strings):
+                return k
+        return 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""

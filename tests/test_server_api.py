@@ -1,0 +1,300 @@
+"""`deltaflash serve` as clients use it: a real server process (tiny target + DFlash drafter, 3 slots)
+on 127.0.0.1, driven by the official openai client and by raw HTTP."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from deltaflash.engine.engine import Engine
+from deltaflash.engine.request import SamplingParams
+from tests.server_process import ServerProcess, child_env, sse_payloads, tiny_pair
+
+KEY = "sk-test-key"
+SLOTS, QUEUE, CONTEXT = 3, 4, 512
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(pair, tmp_path_factory):
+    target, draft = pair
+    proc = ServerProcess(target, tmp_path_factory.mktemp("log") / "server.log", "--max-concurrency", str(SLOTS),
+                         "--max-queue", str(QUEUE), "--max-model-len", str(CONTEXT), "--api-key", KEY, draft=draft)
+    yield proc
+    assert proc.stop() == 0, proc.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def solo(pair, one_thread):
+    """Each prompt alone on a one-slot engine with the same target and drafter."""
+    engine = Engine.from_pretrained(pair[0], pair[1], device="cpu", progress=False, max_slots=1, max_model_len=CONTEXT)
+
+    def run(prompt_ids, max_tokens, **sampling):
+        params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, **sampling)
+        (done,), _ = engine.generate([list(prompt_ids)], params)
+        return done.token_ids
+
+    run.tokenizer = engine.tokenizer
+    return run
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 320, (int(length),), generator=g).tolist()
+            for length in torch.randint(3, 40, (n,), generator=g)]
+
+
+def test_openai_client_matches_deltaflash_generate(server, pair):
+    target, draft = pair
+    base = [sys.executable, "-m", "deltaflash", "generate", "--model", str(target), "--draft", str(draft),
+            "--prompt", "def hello", "--max-new-tokens", "24", "--device", "cpu", "--json", "--ignore-eos"]
+    procs = [subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+             for extra in ([], ["--chat"])]
+    raw, chat = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    c, common = client(server), dict(model="tiny", max_tokens=24, temperature=0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    r = c.completions.create(prompt="def hello", extra_body=extra, **common)
+    assert r.choices[0].token_ids == raw["token_ids"] and r.choices[0].text == raw["text"]
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (raw["stats"]["prompt_tokens"], 24)
+
+    chunks = list(c.completions.create(prompt="def hello", stream=True, stream_options={"include_usage": True},
+                                       extra_body=extra, **common))
+    assert sum((ch.choices[0].token_ids for ch in chunks if ch.choices), []) == raw["token_ids"]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == raw["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+    messages = [{"role": "user", "content": "def hello"}]
+    r = c.chat.completions.create(messages=messages, extra_body=extra, **common)
+    assert r.choices[0].token_ids == chat["token_ids"] and r.choices[0].message.content == chat["text"]
+    assert r.usage.prompt_tokens == chat["stats"]["prompt_tokens"] != raw["stats"]["prompt_tokens"]
+
+    chunks = list(c.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True},
+                                            extra_body=extra, **common))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum((ch.choices[0].token_ids for ch in chunks[1:] if ch.choices), []) == chat["token_ids"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat["text"]
+    assert chunks[-1].usage.total_tokens == chat["stats"]["prompt_tokens"] + 24
+
+
+def test_seeded_sampling_and_stops_match_solo(server, solo):
+    c, prompt = client(server), prompts(1, seed=5)[0]
+    sampled = dict(temperature=0.9, top_p=0.95, seed=1234)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, extra_body={"top_k": 50, "ignore_eos": True,
+                             "return_token_ids": True}, **sampled)
+    assert r.choices[0].token_ids == solo(prompt, 20, top_k=50, **sampled)
+
+    ref = solo(prompt, 20, temperature=0.0)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=[ref[6]],
+                             extra_body={"return_token_ids": True})  # a stop token id (int in `stop`)
+    first = ref.index(ref[6])
+    assert r.choices[0].token_ids == ref[:first + 1] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == solo.tokenizer.decode(ref[:first])  # the stop token itself is not text
+
+    text = solo.tokenizer.decode(ref)
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    for stream in (False, True):
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=stop, stream=stream)
+        got = "".join(ch.choices[0].text for ch in r) if stream else r.choices[0].text
+        assert got == text[:text.index(stop)]
+
+
+async def _stream_tokens(http, prompt, max_tokens):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_payloads([line async for line in r.aiter_lines()])
+    assert events[-1] == "[DONE]"
+    return sum((e["choices"][0]["token_ids"] for e in events[:-1]), [])
+
+
+async def _in_client(server, work):
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+        return await work(http)
+
+
+def test_2n_concurrent_requests_on_n_slots_equal_solo(server, solo):
+    batch = prompts(2 * SLOTS, seed=1)
+    lengths = [12 + 5 * i for i in range(len(batch))]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+            return await asyncio.gather(*(_stream_tokens(http, p, n) for p, n in zip(batch, lengths)))
+
+    outputs = asyncio.run(main())
+    for prompt, n, out in zip(batch, lengths, outputs):
+        assert out == solo(prompt, n)
+    server.wait_idle()
+
+
+async def _next_event(lines):
+    async for line in lines:
+        if line.startswith("data: "):
+            return line
+
+
+async def _health_until(http, predicate, timeout_s=10):
+    for _ in range(int(timeout_s / 0.02)):
+        health = (await http.get("/health")).json()
+        if predicate(health):
+            return health
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"/health never satisfied the condition: {health}")
+
+
+def test_disconnected_clients_free_their_slots(server, solo):
+    cancelled_before = server.metric("deltaflash_requests_total", outcome="cancelled")
+    body = {"model": "tiny", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+            held = []
+            for i, prompt in enumerate(prompts(SLOTS, seed=2)):  # every slot streaming
+                r = await http.send(http.build_request("POST", "/v1/completions", json=body | {"prompt": prompt}),
+                                    stream=True)
+                lines = r.aiter_lines()
+                await _next_event(lines)
+                held.append((r, lines))
+            waiting = await http.send(http.build_request("POST", "/v1/completions", json=body | {"prompt": [7, 8]}),
+                                      stream=True)
+            await _health_until(http, lambda h: h["queued"] == 1)
+            await waiting.aclose()  # leaves while waiting for a slot
+            await _health_until(http, lambda h: h["queued"] == 0 and h["active_slots"] == SLOTS)
+            for i, (r, lines) in enumerate(held):  # leave mid-stream, after different amounts
+                for _ in range(2 * i):
+                    await _next_event(lines)
+                await r.aclose()
+            with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+                await http.post("/v1/completions", json=body | {"prompt": [9], "stream": False}, timeout=0.5)
+
+    asyncio.run(main())
+    assert server.wait_idle(timeout_s=3) == {"status": "ok", "active_slots": 0, "queued": 0, "max_slots": SLOTS}
+    assert server.metric("deltaflash_active_slots") == 0
+    assert server.metric("deltaflash_requests_total", outcome="cancelled") == cancelled_before + SLOTS + 2
+    prompt = prompts(1, seed=3)[0]
+    r = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].token_ids == solo(prompt, 30)
+
+
+def test_queue_bound_gives_429(server):
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 450, "stream": True, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+            held = []
+            for _ in range(SLOTS + QUEUE):
+                held.append(await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True))
+            assert [r.status_code for r in held] == [200] * (SLOTS + QUEUE)
+            over = await http.post("/v1/completions", json=body | {"stream": False})
+            for r in held:
+                await r.aclose()
+            return over
+
+    over = asyncio.run(main())
+    assert over.status_code == 429
+    assert over.json()["error"]["code"] == "queue_full" and "--max-queue" in over.json()["error"]["message"]
+    server.wait_idle()
+
+
+BAD = [  # (endpoint, body or raw bytes, status, param, words the message must contain)
+    ("completions", b'{"prompt": "x", ', 400, None, "not valid JSON"),
+    ("completions", b"[1, 2]", 400, None, "JSON object"),
+    ("completions", b"[" * 100_000, 400, None, "not valid JSON"),
+    ("completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "true or false"),
+    ("completions", {"prompt": 5}, 400, "prompt", "prompt"),
+    ("completions", {"prompt": "x", "top_k": 1.5}, 400, "top_k", "integer"),
+    ("completions", {"prompt": "x", "seed": "s"}, 400, "seed", "integer"),
+    ("completions", {"prompt": "x", "foo": 1}, 400, "foo", "unknown field"),
+    ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "x", "max_tokens": 10 ** 12}, 400, "max_tokens", "context"),
+    ("completions", {"prompt": [1] * (CONTEXT + 5)}, 400, "prompt", "context"),
+    ("completions", {"prompt": [1, 400]}, 400, "prompt", "400"),
+    ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", ">= 0"),
+    ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0.0, 1.0]"),
+    ("completions", {"prompt": "x", "n": 2}, 400, "n", "n = 2"),
+    ("completions", {"prompt": "x", "stop": [1000]}, 400, "stop", "1000"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ("chat/completions", {"messages": []}, 400, "messages", "messages"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages", "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "content"),
+]
+
+
+def test_bad_input_gets_4xx_and_serving_continues(server, solo):
+    bystander, meanwhile = prompts(1, seed=6)[0], {}
+
+    def stream_meanwhile():
+        meanwhile["ids"] = asyncio.run(_in_client(server, lambda http: _stream_tokens(http, bystander, 120)))
+
+    thread = threading.Thread(target=stream_meanwhile)
+    thread.start()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for endpoint, body, status, param, words in BAD:
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = http.post(f"/v1/{endpoint}", headers=AUTH, **kw)
+            err = r.json()["error"]
+            assert r.status_code == status, (body, r.text)
+            assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, (body, err)
+            assert words in err["message"] and (param is None or param.split("[")[0] in err["message"]), err
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = http.post("/v1/completions", headers=headers, json={"prompt": "x"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert "Authorization" in r.json()["error"]["message"]
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
+    thread.join(60)
+    assert meanwhile["ids"] == solo(bystander, 120)  # a request running through all of it is undisturbed
+    prompt = prompts(1, seed=4)[0]
+    r = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].token_ids == solo(prompt, 16)
+    assert server.metric("deltaflash_requests_total", outcome="invalid") >= len(BAD)
+    assert server.metric("deltaflash_requests_total", outcome="unauthorized") >= 3
+
+
+def test_metrics_report_rounds_and_tokens(server):
+    client(server).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    server.wait_idle()
+    assert server.metric("deltaflash_requests_total", outcome="length") >= 1
+    assert server.metric("deltaflash_generated_tokens_total") >= 12
+    assert server.metric("deltaflash_prompt_tokens_total") >= 3
+    assert server.metric("deltaflash_accepted_length_count") >= 1
+    assert server.metric("deltaflash_round_phase_seconds_count", phase="decode") >= 1
+    assert server.metric("deltaflash_round_phase_seconds_count", phase="prefill") >= 1
+    assert server.metric("deltaflash_time_to_first_token_seconds_count") >= 1
+    assert server.metric("deltaflash_queue_depth") == 0 and server.metric("deltaflash_active_slots") == 0

@@ -1,0 +1,85 @@
+"""Request timeouts, graceful shutdown and the `deltaflash bench serve` load script, each against a real
+server process on 127.0.0.1."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess, child_env, sse_payloads, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("life"), drafter=False)[0]
+
+
+@pytest.fixture(scope="module")
+def server(target, tmp_path_factory):
+    proc = ServerProcess(target, tmp_path_factory.mktemp("log") / "server.log", "--max-concurrency", "2",
+                         "--request-timeout", "4", "--shutdown-timeout", "1.5")
+    yield proc
+    proc.stop()
+
+
+def stream(url, max_tokens, out: dict, started: threading.Event | None = None):
+    body = {"prompt": [4, 5, 6], "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if started is not None and len(lines) > 2:
+                started.set()
+    out["events"], out["elapsed"] = sse_payloads(lines), time.monotonic() - t0
+    out["finish"] = [e["choices"][0]["finish_reason"] for e in out["events"][:-1]][-1]
+
+
+def test_request_timeout_cancels_and_frees_the_slot(server):
+    out = {}
+    stream(server.url, 4000, out)
+    assert out["finish"] == "cancelled" and out["events"][-1] == "[DONE]"
+    assert 4 <= out["elapsed"] < 15
+    server.wait_idle()
+    assert server.metric("deltaflash_requests_total", outcome="timeout") == 1
+
+
+def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(server):
+    long, short = {}, {}
+    threads = []
+    for out, n in ((long, 4000), (short, 60)):
+        started = threading.Event()
+        threads.append(threading.Thread(target=stream, args=(server.url, n, out, started)))
+        threads[-1].start()
+        assert started.wait(30)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)  # drain: 1.5 s for in-flight requests, then cancel
+    for t in threads:
+        t.join(30)
+    assert server.proc.wait(30) == 0
+    assert time.monotonic() - t0 < 10
+    assert short["finish"] == "length" and short["events"][-1] == "[DONE]"
+    assert long["finish"] == "cancelled" and long["events"][-1] == "[DONE]"
+    assert long["elapsed"] < 4  # cancelled by the drain deadline, not by --request-timeout
+    assert "stopped" in server.log.read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
+
+
+def test_bench_serve_load_script(target, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "deltaflash", "bench", "serve", "--model", str(target),
+                           "--device", "cpu", "--clients", "64", "--requests", "64", "--max-tokens", "8",
+                           "--max-concurrency", "4", "--distinct-prompts", "6", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["errors"] == 0 and result["mismatches"] == 0 and result["idle_after"]
+    assert result["disconnected"] == round(0.2 * 64) and result["completed"] == 64 - result["disconnected"]
+    assert result["requests_per_s"] > 0 and result["ttft_p50_ms"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"]
+    assert "requests_per_s" in proc.stdout

@@ -1,0 +1,160 @@
+"""The scheduler thread and incremental detokenization, in process (no HTTP)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from deltaflash.engine.engine import Engine
+from deltaflash.engine.request import SamplingParams
+from deltaflash.server.errors import ServerUnavailable
+from deltaflash.server.metrics import Metrics
+from deltaflash.server.scheduler import Job, Scheduler, SchedulerConfig
+from deltaflash.server.textstream import TextStream
+from tests.server_process import tiny_pair
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_pair(tmp_path_factory.mktemp("sched"), drafter=False)[0]
+    torch.set_num_threads(before)
+
+
+class Log:
+    """Outputs of every job in delivery order (sinks run on the scheduler thread)."""
+
+    def __init__(self):
+        self.entries, self.finished, self.lock = [], {}, threading.Lock()
+
+    def sink(self, rid):
+        def put(out):
+            with self.lock:
+                self.entries.append((rid, out))
+                if out.finish_reason or out.error:
+                    self.finished.setdefault(rid, threading.Event()).set()
+        return put
+
+    def wait(self, rid, timeout_s=60):
+        with self.lock:
+            event = self.finished.setdefault(rid, threading.Event())
+        assert event.wait(timeout_s), f"{rid} did not finish"
+        return [o for r, o in self.entries if r == rid]
+
+
+def job(rid, prompt, log, max_tokens, stop=()):
+    return Job(rid, tuple(prompt), SamplingParams(max_new_tokens=max_tokens, ignore_eos=True), stop, log.sink(rid))
+
+
+def solo(folder, prompt, n):
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=256)
+    return engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0][0].token_ids
+
+
+def test_long_prompt_prefills_in_chunks_while_others_stream(folder):
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256,
+                                    prefill_chunk=8)
+    sched, log = Scheduler(engine, SchedulerConfig(), Metrics()), Log()
+    sched.start()
+    sched.submit(job("a", [5, 6, 7], log, 60))
+    while not log.entries:
+        time.sleep(0.001)
+    mark, long_prompt = len(log.entries), list(range(10, 74))  # 64 tokens = 8 prefill chunks
+    sched.submit(job("b", long_prompt, log, 4))
+    out_b, out_a = log.wait("b"), log.wait("a")
+    sched.close()
+    first_b = next(i for i, (rid, _) in enumerate(log.entries) if rid == "b")
+    a_while_b_prefills = sum(rid == "a" for rid, _ in log.entries[mark:first_b])
+    assert a_while_b_prefills >= 64 // 8 - 1  # a got a token in every round of b's prefill
+    assert sum((o.token_ids for o in out_a), ()) == tuple(solo(folder, [5, 6, 7], 60))
+    assert sum((o.token_ids for o in out_b), ()) == tuple(solo(folder, long_prompt, 4))
+    assert engine.pool.num_live == 0 and sched.load.active_slots == 0
+
+
+def test_request_timeout_retires_at_a_round_boundary(folder):
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
+    metrics, log = Metrics(), Log()
+    sched = Scheduler(engine, SchedulerConfig(request_timeout_s=0.3), metrics)
+    sched.start()
+    t0 = time.monotonic()
+    sched.submit(job("slow", [1, 2, 3], log, 250))
+    outs = log.wait("slow")
+    assert outs[-1].finish_reason == "cancelled" and outs[-1].completion_tokens < 250
+    assert time.monotonic() - t0 < 5
+    sched.close()
+    assert metrics.requests.labels(outcome="timeout")._value.get() == 1
+    assert engine.pool.num_live == 0
+
+
+def test_stop_string_cuts_text_and_frees_the_slot(folder):
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
+    sched, log = Scheduler(engine, SchedulerConfig(), Metrics()), Log()
+    sched.start()
+    ref = solo(folder, [9, 8, 7], 30)
+    text = engine.tokenizer.decode(ref)
+    start = next(i for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    stop = text[start:start + 3]
+    sched.submit(job("s", [9, 8, 7], log, 30, stop=(stop,)))
+    outs = log.wait("s")
+    assert "".join(o.text for o in outs) == text[:text.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens < 30
+    ids = sum((o.token_ids for o in outs), ())
+    assert ids == tuple(ref[:len(ids)]) and stop in engine.tokenizer.decode(list(ids))
+    sched.close()
+    assert engine.pool.num_live == 0
+
+
+def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
+
+    def broken_step(on_report=None):
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    sched, log = Scheduler(engine, SchedulerConfig(), Metrics()), Log()
+    sched.start()
+    sched.submit(job("x", [1, 2], log, 4))
+    assert "device lost" in log.wait("x")[-1].error
+    with pytest.raises(ServerUnavailable):
+        sched.submit(job("y", [1, 2], log, 4))
+
+
+class PieceTokenizer:
+    """decode(ids) concatenates fixed pieces: text boundaries exactly where the test wants them."""
+
+    pieces = {1: "he", 2: "l", 3: "lo", 4: " w", 5: "orld"}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_text_stream_holds_back_possible_stop_prefixes():
+    ts = TextStream(PieceTokenizer(), ("lo w",))
+    taken = []
+    for tok in (1, 2, 3, 4, 5):
+        ts.push(tok)
+        taken.append(ts.take())
+    # text "he" "hel" "hello" "hello w": an "l" or "lo" tail may start the stop string, so it waits
+    assert taken == ["he", "", "l", "", ""] and ts.stopped and ts.text == "hel"
+    ts = TextStream(PieceTokenizer(), ("xyz",))
+    for tok in (1, 2, 3):
+        ts.push(tok)
+    assert ts.take() == "hello" and not ts.stopped
+
+
+def test_text_stream_deltas_equal_full_decode(folder):
+    from deltaflash.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = torch.randint(0, 320, (40,), generator=g).tolist()  # random bytes: cut and invalid UTF-8
+        ts, pieces = TextStream(tok), []
+        for t in ids:
+            ts.push(t)
+            pieces.append(ts.take())
+        ts.finish()
+        pieces.append(ts.take(final=True))
+        assert "".join(pieces) == tok.decode(ids)

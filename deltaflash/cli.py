@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from deltaflash.demo import BUNDLED
 from deltaflash.errors import DeltaflashError
-
-BUNDLED = Path(__file__).parent / "assets" / "demo"
 
 
 def _default_model(args) -> None:

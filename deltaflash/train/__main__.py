@@ -1,0 +1,3 @@
+from deltaflash.train.cli import main
+
+main()

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print one JSON object {token_ids, text, stats}")
     gen.set_defaults(func=cmd_generate)
 
-    for register in _optional_commands():
+    for register in _subcommands():
         register(sub)
     args = parser.parse_args(argv)
     if getattr(args, "chat", False) and args.prompt is None:
@@ -112,18 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _optional_commands():
-    """Subcommands living in their own modules (serve, bench, demo, train)."""
-    import importlib
+def _subcommands():
+    """`register(subparsers)` of the subcommands living in their own modules (imports stay light:
+    each module imports its heavy dependencies only when its command runs)."""
+    from deltaflash import demo
+    from deltaflash.bench import cli as bench
+    from deltaflash.server import cli as server
+    from deltaflash.train import cli as train
 
-    for module in ("deltaflash.server.cli", "deltaflash.bench.cli", "deltaflash.demo", "deltaflash.train.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module.startswith(exc.name):
-                raise
-            continue
-        yield mod.register
+    return (server.register, bench.register, demo.register, train.register)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def build_engine(args, max_slots: int = 1, progress: bool = True):
+def build_engine(args, max_slots: int = 1, progress: bool = True, **config):
+    """The engine the model flags (`_engine_args`) describe; `config`: more EngineConfig fields."""
     import torch
 
     from deltaflash.engine.engine import Engine
@@ -48,7 +49,8 @@ def build_engine(args, max_slots: int = 1, progress: bool = True):
     _default_model(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
-                                  max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size)
+                                  max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
+                                  **config)
 
 
 def cmd_generate(args) -> int:

@@ -3,7 +3,6 @@ speculative side by side in one process (text, mean accepted length, tokens/s, s
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from deltaflash.errors import DeltaflashError

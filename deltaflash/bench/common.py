@@ -39,7 +39,6 @@ def copy_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), warmup=3, iters=10)
-    del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 

@@ -93,7 +93,6 @@ def run(args) -> dict:
         c_roof = c_bytes / (bw * 1e9) * 1e3
         commit_rows.append({"lanes": L, "gdn_layers": G, "accepted_rows": acc, "commit_ms": c_ms,
                             "roofline_ms": c_roof, "commit/roofline": c_ms / c_roof})
-        del t, pool, log
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
     print_table(f"GDN verify, one layer (nk 16, nv 32, dk 128, conv channels 8192, W {W}); routes include the conv step",
                 rows)

@@ -84,7 +84,6 @@ def run(args) -> dict:
         row["round/limit"] = row["fused_round_ms"] / limit
         row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
         rows.append(row)
-        del engine
         torch.cuda.empty_cache()
     print(f"weight bytes read per forward {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
           f"weight-read limit {limit:.2f} ms; W = {args.width}; CUDA graphs: "

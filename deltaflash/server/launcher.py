@@ -11,10 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 import uvicorn
 
-from deltaflash.cli import _default_model
+from deltaflash import cli
 from deltaflash.engine.engine import Engine
 from deltaflash.errors import DeltaflashError
 from deltaflash.server.app import ServerSettings, build_app
@@ -60,11 +59,7 @@ def serve(args) -> int:
 
 
 def build_engine(args) -> Engine:
-    _default_model(args)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=False,
-                                  max_slots=args.max_concurrency, max_model_len=args.max_model_len,
-                                  prefill_chunk=args.prefill_chunk, block_size=args.block_size)
+    return cli.build_engine(args, max_slots=args.max_concurrency, progress=False, prefill_chunk=args.prefill_chunk)
 
 
 class DrainingServer(uvicorn.Server):

@@ -13,7 +13,6 @@ import random
 import torch
 
 from deltaflash.cache.draft_context import DraftContextCache
-from deltaflash.engine.batch import ExtendBatch
 from deltaflash.engine.request import Sequence
 from deltaflash.spec.draft import choose_tokens, draft_hidden, full_vocab_probs
 

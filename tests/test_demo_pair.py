@@ -1,0 +1,61 @@
+"""The bundled demo pair (deltaflash/assets/demo): loads in deltaflash, transformers and z-lab's dflash
+with matching logits, and speculative greedy output equals target-only output on held-out prompts."""
+
+import pytest
+import torch
+
+from deltaflash.demo import BUNDLED
+from deltaflash.engine.engine import Engine
+from deltaflash.engine.request import SamplingParams
+from deltaflash.engine.batch import ExtendBatch
+from deltaflash.models.dflash import load_drafter
+from deltaflash.tokenizer import encode_prompt
+from deltaflash.train.corpus import heldout_prompts, load_split
+
+TARGET, DRAFT = BUNDLED / "target", BUNDLED / "draft"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return heldout_prompts(load_split(), 3, num_lines=8)
+
+
+def test_target_logits_match_transformers(prompts):
+    from transformers import Qwen3_5ForCausalLM
+
+    engine = Engine.from_pretrained(TARGET, device="cpu", progress=False)
+    ids = encode_prompt(engine.tokenizer, prompts[0])[:200]
+    hf = Qwen3_5ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    slot = engine.pool.admit()
+    ours, _ = engine.model.extend(ExtendBatch.build([(slot, 0, ids)], "cpu"), engine.pool, all_logits=True)
+    assert (ours[0] - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_drafter_matches_dflash_package(prompts):
+    from dflash.model import DFlashDraftModel
+
+    engine = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False)
+    cfg = engine.cfg
+    ours = load_drafter(DRAFT, target_hidden_size=cfg.hidden_size, target_vocab_size=cfg.vocab_size,
+                        target_num_layers=cfg.num_layers, dtype=torch.float32, device="cpu")
+    oracle = DFlashDraftModel.from_pretrained(DRAFT, dtype=torch.float32).eval()
+    mine = dict(ours.named_parameters())
+    theirs = {k: v for k, v in oracle.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head.", "rotary_emb."))}
+    assert sorted(mine) == sorted(theirs)  # every tensor, loaded by two implementations, is the same
+    for name, p in theirs.items():
+        assert torch.equal(mine[name], p), name
+    assert ours.config.target_layer_ids == tuple(oracle.target_layer_ids)
+    assert ours.config.block_size == oracle.block_size and ours.config.mask_token_id == oracle.mask_token_id
+
+
+def test_speculative_greedy_equals_target_only(prompts):
+    plain = Engine.from_pretrained(TARGET, device="cpu", progress=False, max_slots=3)
+    spec = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False, max_slots=3)
+    ids = [encode_prompt(plain.tokenizer, p) for p in prompts]
+    params = SamplingParams(max_new_tokens=48)
+    expected = [c.token_ids for c in plain.generate(ids, params)[0]]
+    done = spec.generate(ids, params)[0]
+    assert [c.token_ids for c in done] == expected
+    assert all(c.accepted_lengths for c in done)

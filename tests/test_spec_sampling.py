@@ -22,8 +22,9 @@ def pair(tmp_path_factory):
     with torch.no_grad():
         hf.lm_head.weight.mul_(6.0)  # a peaked target, so p and the drafter's q differ clearly
     target = save_checkpoint(hf, root / "target")
-    draft = save_drafter(root / "draft", load_model(target, device="cpu", progress=False).cfg, seed=5, block_size=4)
-    return target, draft
+    cfg = load_model(target, device="cpu", progress=False).cfg
+    return target, {variant: save_drafter(root / variant, cfg, variant, seed=5, block_size=4)
+                    for variant in ("dflash", "dflash2")}
 
 
 def draws(engine, params_for_seed):
@@ -45,9 +46,11 @@ def p_values(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.9, 6)])
-def test_speculative_sampling_matches_target_distribution(pair, top_p, top_k, monkeypatch):
-    target, draft = pair
+@pytest.mark.parametrize("variant,top_p,top_k", [("dflash", 1.0, 0), ("dflash", 0.9, 6), ("dflash2", 0.9, 0)])
+def test_speculative_sampling_matches_target_distribution(pair, variant, top_p, top_k, monkeypatch):
+    """DFlash drafts from q = its own sampling distribution; DFlash2 from the selector's q over its top-k."""
+    target, drafts = pair
+    draft = drafts[variant]
     params = lambda seed, base: SamplingParams(max_new_tokens=TOKENS, temperature=1.0, top_p=top_p, top_k=top_k,  # noqa: E731
                                               seed=base + seed, ignore_eos=True)
     plain = draws(engine_for(target, max_slots=64), lambda i: params(i, 0))

@@ -212,3 +212,57 @@ def test_rejected_commit_changes_nothing(ops, slots, accepted_len):
         ops.conv_commit(hist, windows, *args)
     torch.cuda.synchronize()
     assert torch.equal(pool, p["pool"]) and torch.equal(hist, c["history"])
+
+
+ISSUE_CASES = [  # the configurations issue 4 names: (nk, nv, dk, lanes, slots in the pool, W, tree)
+    (16, 32, 128, 4, 6, 16, False),
+    (8, 8, 64, 3, 3, 5, False),
+    (16, 32, 128, 1, 1, 1, False),
+    (2, 4, 128, 4, 6, 12, True),
+]
+
+
+@pytest.mark.parametrize("nk,nv,dk,L,S,W,tree", ISSUE_CASES)
+def test_fused_route_bitwise_equals_unfused_route(ops, nk, nv, dk, L, S, W, tree):
+    """Whole verify route (conv tree step -> GDN verify) and commit of every prefix, fused vs unfused:
+    identical bits in o, replay log, conv output and windows; persistent state untouched by verify."""
+    gen = torch.Generator().manual_seed(W * 100 + L)
+    C = 2 * nk * dk + nv * dk
+    proj = torch.randn(L, W, C + 3 * nv, generator=gen).to(torch.bfloat16).to(DEV)  # qkv | b | z-ish | a
+    rows, b, a = proj[..., :C], proj[..., C:C + nv], proj[..., C + 2 * nv:]
+    history = torch.randn(S, 2, C, K_CONV - 1, generator=gen).to(torch.bfloat16).to(DEV)
+    pool = (torch.randn(S, 2, nv, dk, dk, generator=gen) * 0.3).to(DEV)
+    weight = torch.randn(C, K_CONV, generator=gen).to(torch.bfloat16).to(DEV)
+    A_log, dt_bias = (torch.randn(nv, generator=gen) * 0.5).to(DEV), torch.randn(nv, generator=gen).to(DEV)
+    slots = torch.randperm(S, generator=gen)[:L].to(DEV)  # lanes read permuted slots
+    parents = tree_parents(L, W, seed=W) if tree else chain_parents(L, W)
+    before = (pool.clone(), history.clone())
+
+    def route(conv, verify):
+        out, window = conv(rows, history[:, 1], slots, parents, weight)
+        q, k, v = out.split([nk * dk, nk * dk, nv * dk], dim=-1)
+        o, log = verify(q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dk)), a, b,
+                        A_log, dt_bias, pool[:, 1], slots, parents)
+        return out, window, o, log
+
+    fused = route(ops.conv_tree_step, ops.gdn_verify)
+    unfused = route(ops.conv_tree_step_ref, ops.gdn_verify_ref)
+    assert torch.equal(pool, before[0]) and torch.equal(history, before[1]), "verify wrote persistent state"
+    for name, x, y in zip(("conv output", "window", "o", "replay log"), fused, unfused):
+        assert torch.equal(x, y), f"{name} differs between the fused and the unfused route"
+    logs = torch.stack([fused[3], fused[3]])  # both pool layers replay the same log
+    windows = torch.stack([fused[1], fused[1]])
+    for n in range(W + 1):
+        nodes = torch.zeros(L, W, dtype=torch.long, device=DEV)
+        lens = []
+        for lane in range(L):
+            path = root_path(parents[lane].tolist(), W - 1)[:n] if tree else list(range(n))
+            nodes[lane, :len(path)] = torch.tensor(path, dtype=torch.long, device=DEV)
+            lens.append(len(path))
+        accepted = torch.tensor(lens, device=DEV)
+        got, want = (pool.clone(), history.clone()), (pool.clone(), history.clone())
+        ops.replay_commit(got[0], logs, slots, nodes, accepted)
+        ops.conv_commit(got[1], windows, slots, nodes, accepted)
+        ops.replay_commit_ref(want[0], logs, slots, nodes, accepted)
+        ops.conv_commit_ref(want[1], windows, slots, nodes, accepted)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"commit of prefix {n} differs"

@@ -15,13 +15,17 @@ from pathlib import Path
 
 import torch
 
+from deltaflash.cache.commit import commit
 from deltaflash.cache.slots import SlotPool
-from deltaflash.engine.batch import ExtendBatch
+from deltaflash.engine.batch import CommitPlan, ExtendBatch, VerifyBatch
+from deltaflash.engine.graphs import VerifyGraphRunner
 from deltaflash.engine.request import (
-    Completion, SamplingParams, Sequence, Status, StepEvent, StepReport, next_request_id,
+    Completion, RoundPhases, SamplingParams, Sequence, Status, StepEvent, StepReport, next_request_id,
 )
 from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
+from deltaflash.ops.verify_route import select_verify_ops
+from deltaflash.spec.speculator import Speculator, use_cuda_graphs
 from deltaflash.spec.sampling import make_generator, sample_rows
 from deltaflash.tokenizer import load_tokenizer
 
@@ -34,6 +38,7 @@ class EngineConfig:
     max_model_len: int = 4096
     prefill_chunk: int = 512  # prompt tokens per step, over all prefilling sequences
     block_size: int = 0       # speculative block W (0: the drafter's own, or no speculation)
+    sync_phase_timing: bool = False  # sync the device between round phases (profiling: exact phase times, slower)
 
 
 class Engine:
@@ -53,11 +58,12 @@ class Engine:
         width = (config.block_size or draft_source.block_size) if draft_source is not None else 0
         # verify rows of a sequence at its last position reach up to W - 1 positions further
         self.pool = SlotPool(self.cfg, config.max_slots, config.max_model_len + width, self.dtype, self.device)
-        self.speculator = None
+        self.speculator, self.decode_graphs = None, None
+        self.verify_ops = select_verify_ops(self.device)
         if draft_source is not None:
-            from deltaflash.spec.speculator import Speculator
-
             self.speculator = Speculator(self, draft_source, config.block_size)
+        elif use_cuda_graphs(self):
+            self.decode_graphs = VerifyGraphRunner(model, self.pool, self.verify_ops, width=1)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
@@ -129,17 +135,17 @@ class Engine:
         t0, prefilled = time.perf_counter(), self.stats["prefill_tokens"]
         if prefilling:
             self._prefill(prefilling, events)
-        t1 = time.perf_counter()
+        t1, phases = time.perf_counter(), RoundPhases()
         if decoding:
             if self.speculator:
-                self.speculator.round(decoding, events)
+                phases = self.speculator.round(decoding, events)
             else:
                 self._decode(decoding, events)
             self.stats["decode_rounds"] += 1
         if on_report is not None:
             accepted = tuple(s.accepted_lengths[-1] for s in decoding) if self.speculator else ()
             on_report(StepReport(admitted, self.stats["prefill_tokens"] - prefilled, t1 - t0, len(decoding),
-                                 time.perf_counter() - t1, accepted))
+                                 time.perf_counter() - t1, accepted, phases))
         return events
 
     def _prefill(self, seqs: list[Sequence], events: list[StepEvent]) -> None:
@@ -171,9 +177,25 @@ class Engine:
                 self.emit(seq, [tok], events)
 
     def _decode(self, seqs: list[Sequence], events: list[StepEvent]) -> None:
-        batch = ExtendBatch.build([(s.slot, s.position, [s.pending]) for s in seqs], self.device)
-        logits, _ = self.model.extend(batch, self.pool)
-        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        """One row per sequence through the verify route as width-1 chains (on GPU: the fused kernels,
+        replayed from a CUDA graph per lane bucket), then a commit of that row."""
+        dev = self.device
+        slots, starts = tuple(s.slot for s in seqs), tuple(s.position for s in seqs)
+        start = torch.tensor(starts, dtype=torch.long, device=dev)
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=dev)
+        batch = VerifyBatch(input_ids=torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=dev),
+                            parents=torch.full((len(seqs), 1), -1, dtype=torch.long, device=dev),
+                            positions=start[:, None], slot_ids=slot_ids, start=start,
+                            slot_ids_host=slots, start_host=starts)
+        out = self.decode_graphs.run(batch) if self.decode_graphs else None
+        if out is None:
+            out = self.model.verify(batch, self.pool, self.verify_ops)
+        tokens = sample_rows(out.logits[:, 0], [s.params for s in seqs], [s.generator for s in seqs])
+        one = (1,) * len(seqs)
+        plan = CommitPlan(slot_ids=slot_ids, accepted_nodes=torch.zeros_like(batch.parents),
+                          accepted_len=torch.ones_like(slot_ids), slot_ids_host=slots, accepted_len_host=one,
+                          start_host=starts)
+        commit(self.pool, plan, out, self.verify_ops)
         for seq, tok in zip(seqs, tokens):
             self.emit(seq, [tok], events)
 

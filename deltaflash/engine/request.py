@@ -83,10 +83,21 @@ class StepEvent:
 
 
 @dataclass(frozen=True)
+class RoundPhases:
+    """Seconds of host wall time per phase of one speculative round (see StepReport)."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+    commit_s: float = 0.0  # cache commit and new draft context; the rest of decode_s is host bookkeeping
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What one step did, for metrics. Seconds are host wall time (on GPU a phase's kernels may
-    finish inside the next one: only sampling and acceptance sync). `accepted_lengths` has one
-    entry per lane of the speculative round (1 + accepted drafts); () without a drafter."""
+    finish inside the next one: only sampling and acceptance sync, unless the engine was built with
+    `sync_phase_timing`). `accepted_lengths` has one entry per lane of the speculative round
+    (1 + accepted drafts); () without a drafter. `phases` splits decode_s of a speculative round."""
 
     admitted: int
     prefill_tokens: int
@@ -94,6 +105,7 @@ class StepReport:
     decode_lanes: int
     decode_s: float
     accepted_lengths: tuple[int, ...] = ()
+    phases: RoundPhases = RoundPhases()
 
 
 @dataclass(frozen=True)

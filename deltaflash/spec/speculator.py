@@ -9,12 +9,13 @@ the anchor row is committed. Padding lanes (slot -1) read zeros and write nothin
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from deltaflash.cache.commit import commit
 from deltaflash.engine.batch import CommitPlan, ExtendBatch, VerifyBatch
-from deltaflash.engine.request import Sequence, StepEvent
+from deltaflash.engine.request import RoundPhases, Sequence, StepEvent
 from deltaflash.ops.verify_route import select_verify_ops
 from deltaflash.spec.acceptance import accept_greedy, accept_sampled
 
@@ -54,10 +55,11 @@ class Speculator:
         self.source.append(batch.slot_ids[lane], batch.positions[lane, row], taps[lane, row])
 
     def round(self, seqs: list[Sequence], events: list[StepEvent], pad_lanes_to: int = 0,
-              speculate: list[bool] | None = None) -> None:
+              speculate: list[bool] | None = None) -> RoundPhases:
         """Serve `seqs` once. `speculate[i]` False makes lane i an AR lane (default: a lane
-        speculates when it has more than one token left)."""
+        speculates when it has more than one token left). Returns the host seconds per phase."""
         engine, device, W = self.engine, self.engine.device, self.block_size
+        clock = [self._now()]
         n, L = len(seqs), max(len(seqs), pad_lanes_to)
         slots = [s.slot for s in seqs] + [-1] * (L - n)
         starts = [s.position for s in seqs] + [0] * (L - n)
@@ -68,6 +70,7 @@ class Speculator:
         n_draft = [W - 1 if spec else 0 for spec in speculate]
 
         drafts, draft_probs = self.source.draft(seqs, slot_ids, anchors, start, W)  # [L, W-1]
+        clock.append(self._now())
         chain = torch.arange(W, device=device)
         batch = VerifyBatch(
             input_ids=torch.cat([anchors[:, None], drafts], dim=1), parents=(chain - 1).expand(L, W).contiguous(),
@@ -76,12 +79,14 @@ class Speculator:
         out = self.graphs.run(batch) if self.graphs else None
         if out is None:
             out = engine.model.verify(batch, engine.pool, self.verify_ops, self.tap_layer_ids)
+        clock.append(self._now())
 
         accepted = accept_greedy(out.logits, drafts, [i for i, s in enumerate(seqs) if s.params.greedy], n_draft)
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 accepted[i] = accept_sampled(out.logits[i], drafts[i], draft_probs[i], seq.params, seq.generator,
                                              n_draft[i])
+        clock.append(self._now())
 
         accepted_len = [accepted[i][0] + 1 for i in range(n)] + [0] * (L - n)
         plan = CommitPlan(slot_ids=slot_ids, accepted_nodes=chain.expand(L, W).contiguous(),
@@ -91,9 +96,16 @@ class Speculator:
         if out.taps is not None:
             lane, row = (chain[None] < plan.accepted_len[:, None]).nonzero(as_tuple=True)
             self.source.append(slot_ids[lane], start[lane] + row, out.taps[lane, row])
+        clock.append(self._now())
 
         draft_host = drafts.tolist()
         for i, seq in enumerate(seqs):
             n_acc, bonus = accepted[i]
             seq.accepted_lengths.append(n_acc + 1)
             engine.emit(seq, draft_host[i][:n_acc] + [bonus], events)
+        return RoundPhases(*(b - a for a, b in zip(clock, clock[1:])))
+
+    def _now(self) -> float:
+        if self.engine.config.sync_phase_timing and self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+        return time.perf_counter()

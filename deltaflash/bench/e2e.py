@@ -1,0 +1,348 @@
+"""`deltaflash bench e2e`: end-to-end decoding over a prompt set at a sweep of concurrencies,
+speculative and target-only in the same run.
+
+Closed loop: at concurrency C, C clients each keep one request in flight and send the next prompt
+when theirs finishes; a point serves max(prompts, C) requests (prompts reused in order). Reported per
+point: aggregate tokens/s (all output tokens / wall), per-sequence tokens/s (a sequence's tokens /
+its submit-to-finish time, mean), mean accepted length, TTFT and inter-token latency percentiles
+(a step's k tokens count as k gaps of 1/k of it). A profile pass (one wave of C requests on an engine
+that syncs between phases) gives each phase's share of step time: prefill, draft, verify, accept,
+commit, host (the rest of the step: scheduling, emitting, bookkeeping).
+
+Workloads: `demo` (the bundled pair on held-out standard-library prompts: real acceptance) and
+`scripted` (the Qwen3.5-9B shape, random bf16 weights, a *scripted* drafter replaying the target's own
+greedy continuation, recorded first, with a fraction `--corrupt` of its tokens replaced: chosen
+acceptance, labelled scripted everywhere). `--server URL` drives a running `deltaflash serve` instead
+(bench/e2e_server.py); `--reference` adds transformers and z-lab dflash at concurrency 1
+(bench/e2e_reference.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, write_json
+from deltaflash.demo import BUNDLED
+from deltaflash.engine.engine import Engine, EngineConfig
+from deltaflash.engine.request import SamplingParams
+
+MODES = ("spec", "target-only")
+PHASES = ("prefill", "draft", "verify", "accept", "commit", "host")
+
+
+@dataclass
+class Workload:
+    """Engines and prompts of one workload. `engine(mode, profile)` builds an engine sharing the
+    loaded weights; `weight_read_s` (scripted only) is one forward's weight bytes / copy bandwidth."""
+
+    name: str
+    label: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    engine: object  # (mode: str, profile: bool) -> Engine
+    block_size: int
+    weight_read_s: float | None = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    """One request as its client saw it; times in seconds from the point's start."""
+
+    submit: float
+    token_ids: list[int] = field(default_factory=list)
+    event_times: list[float] = field(default_factory=list)
+    event_tokens: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+
+
+# ---- workloads ------------------------------------------------------------------------------
+def _demo_workload(args, max_slots: int) -> Workload:
+    from deltaflash.tokenizer import encode_prompt
+    from deltaflash.train.corpus import heldout_prompts, load_split
+
+    target, draft = Path(args.model or BUNDLED / "target"), Path(args.draft or BUNDLED / "draft")
+    spec = Engine.from_pretrained(target, draft, device=args.device, progress=False, max_slots=1, max_model_len=64)
+    texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
+    prompts = [encode_prompt(spec.tokenizer, t) for t in texts]
+    config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
+                          block_size=args.block_size)
+    drafter = spec.speculator.source.drafter
+
+    def engine(mode: str, profile: bool = False) -> Engine:
+        engine_cfg = dataclasses.replace(config, sync_phase_timing=profile, block_size=config.block_size * (mode == "spec"))
+        return Engine(spec.model, spec.tokenizer, drafter if mode == "spec" else None, engine_cfg)
+
+    return Workload("demo", f"demo pair ({target.name} + {draft.name}), held-out stdlib prompts", prompts,
+                    SamplingParams(max_new_tokens=args.max_new_tokens), engine,
+                    args.block_size or drafter.config.block_size,
+                    meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines})
+
+
+def _scripted_workload(args, max_slots: int) -> Workload:
+    from deltaflash.models.loader import default_device, load_model
+    from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
+    from deltaflash.spec.sources import ScriptedSource
+
+    device = torch.device(args.device) if args.device else default_device()
+    if args.model:  # a checkpoint (tests: a tiny random one)
+        model, shape = load_model(args.model, device=device, progress=False), f"model {args.model}"
+    else:
+        model, shape = random_model(qwen35_9b_config(args.layers), torch.bfloat16, device), "Qwen3.5-9B shape"
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    W = args.block_size or 16
+    config = EngineConfig(max_slots=max_slots, max_model_len=args.prompt_len + args.max_new_tokens + 1,
+                          prefill_chunk=4096)
+    corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
+    # the script: the target's own greedy continuation of every prompt, recorded before any timing
+    done, _ = Engine(model, None, None, config).generate(prompts, params)
+    scripts = {tuple(c.prompt_ids): c.token_ids for c in done}
+
+    def engine(mode: str, profile: bool = False) -> Engine:
+        engine_cfg = dataclasses.replace(config, sync_phase_timing=profile)
+        if mode != "spec":
+            return Engine(model, None, None, engine_cfg)
+        return Engine(model, None, None, engine_cfg,
+                      draft_source=ScriptedSource(scripts, W, cfg.vocab_size, corrupt, args.seed))
+
+    _, read_bytes = weight_bytes(model)
+    bandwidth = copy_bandwidth_gbs(device, 4 << 30 if device.type == "cuda" else 64 << 20)
+    tau = expected_tau(corrupt, W)
+    label = f"scripted drafter (target's greedy continuation, {corrupt:.1%} corrupted, expected tau {tau:.2f}), {shape}"
+    return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
+                    meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
+                          "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth})
+
+
+def expected_tau(corrupt: float, block_size: int) -> float:
+    """Mean accepted length of a chain of W-1 drafts, each independently correct with p = 1 - corrupt:
+    1 + p + ... + p^(W-1) (ignores the few tokens cut by max_new_tokens)."""
+    p = 1.0 - corrupt
+    return float(block_size) if p == 1 else (1 - p ** block_size) / (1 - p)
+
+
+def corrupt_for_tau(tau: float, block_size: int) -> float:
+    """The corruption fraction whose expected mean accepted length is `tau` (bisection)."""
+    if not 1 < tau < block_size:
+        raise ValueError(f"--tau must lie in (1, {block_size}) for block size {block_size}, got {tau}")
+    lo, hi = 0.0, 1.0  # expected_tau falls as corrupt rises
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tau(mid, block_size) > tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+# ---- one point ------------------------------------------------------------------------------
+def drive(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+          requests: int) -> tuple[list[Trace], list, float]:
+    """Closed loop of `concurrency` clients over `requests` requests (prompts reused in order).
+    Returns (traces in request order, (step seconds, StepReport) per step, wall seconds)."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    traces: dict[str, Trace] = {}
+    order, reports, next_index = [], [], 0
+    sync()
+    t0 = time.perf_counter()
+
+    def submit():
+        nonlocal next_index
+        rid = engine.add_request(prompts[next_index % len(prompts)], params)
+        traces[rid] = Trace(time.perf_counter() - t0)
+        order.append(rid)
+        next_index += 1
+
+    while next_index < min(concurrency, requests):
+        submit()
+    while engine.has_work():
+        ts, step_report = time.perf_counter(), []
+        events = engine.step(step_report.append)
+        now = time.perf_counter()
+        reports.append((now - ts, step_report[0]))
+        for ev in events:
+            trace = traces[ev.request_id]
+            if ev.token_ids:
+                trace.token_ids += ev.token_ids
+                trace.event_times.append(now - t0)
+                trace.event_tokens.append(len(ev.token_ids))
+            if ev.finish_reason and next_index < requests:
+                submit()
+    sync()
+    wall = time.perf_counter() - t0
+    return [traces[r] for r in order], reports, wall
+
+
+def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
+    tokens = sum(len(t.token_ids) for t in traces)
+    ttft = [t.event_times[0] - t.submit for t in traces if t.event_times]
+    itl = [(b - a) / n for t in traces for a, b, n in zip(t.event_times, t.event_times[1:], t.event_tokens[1:])
+           for _ in range(n)]
+    per_seq = [len(t.token_ids) / (t.event_times[-1] - t.submit) for t in traces if t.event_times]
+    accepted = [n for _, r in steps for n in r.accepted_lengths]
+    out = {"requests": len(traces), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+           "seq_tokens_per_s_mean": sum(per_seq) / len(per_seq),
+           "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None, "rounds": len(accepted)}
+    for name, xs in (("ttft", ttft), ("itl", itl)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3 if xs else None
+    return out
+
+
+def phase_shares(steps: list) -> dict:
+    """Share of summed step wall time per phase (PHASES); host = step time not in any phase."""
+    total = {p: 0.0 for p in PHASES}
+    for step_s, r in steps:
+        ph = r.phases
+        total["prefill"] += r.prefill_s
+        spec = ph.draft_s + ph.verify_s + ph.accept_s + ph.commit_s
+        if spec:
+            for name in ("draft", "verify", "accept", "commit"):
+                total[name] += getattr(ph, f"{name}_s")
+        else:
+            total["verify"] += r.decode_s  # target-only: the decode forward
+        total["host"] += step_s - r.prefill_s - (spec or r.decode_s)
+    whole = sum(total.values()) or 1.0
+    return {p: total[p] / whole for p in PHASES}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+
+
+# ---- the sweep ------------------------------------------------------------------------------
+def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, bar=None) -> dict:
+    """Every (concurrency, mode) point of one workload; spec outputs checked against target-only."""
+    points, outputs = [], {}
+    engines = {mode: workload.engine(mode) for mode in MODES}
+    profilers = {mode: workload.engine(mode, True) for mode in MODES} if profile else {}
+    for c in concurrencies:
+        requests = max(len(workload.prompts), c)
+        for mode in MODES:
+            if bar is not None:
+                bar.set_description(f"{workload.name} C={c} {mode}")
+            warm = SamplingParams(max_new_tokens=min(4, workload.params.max_new_tokens), ignore_eos=True)
+            if engines[mode].device.type == "cuda":
+                drive(engines[mode], workload.prompts, warm, c, c)  # CUDA graph capture outside the timing
+            traces, steps, wall = drive(engines[mode], workload.prompts, workload.params, c, requests)
+            point = {"workload": workload.name, "concurrency": c, "mode": mode} | summarize(traces, steps, wall)
+            point["accepted_lengths"] = [n for _, r in steps for n in r.accepted_lengths]
+            if profile:
+                _, prof_steps, _ = drive(profilers[mode], workload.prompts, workload.params, c, c)
+                point["phase_shares"] = phase_shares(prof_steps)
+            outputs[(c, mode)] = [t.token_ids for t in traces]
+            points.append(point)
+            if bar is not None:
+                bar.update()
+        spec, plain = outputs[(c, "spec")], outputs[(c, "target-only")]
+        for p in points[-2:]:
+            p["mismatched_sequences"] = sum(a != b for a, b in zip(spec, plain))
+    return {"workload": workload.name, "label": workload.label, "block_size": workload.block_size,
+            "max_new_tokens": workload.params.max_new_tokens, "prompts": len(workload.prompts),
+            "meta": workload.meta, "points": points, "figures": figures(points, workload)}
+
+
+def figures(points: list[dict], workload: Workload) -> dict:
+    """The issue's ratios, each with the phase that dominates the profile it depends on."""
+    at = {(p["concurrency"], p["mode"]): p for p in points}
+    figs = {}
+
+    def add(name, value, point):
+        shares = point.get("phase_shares")
+        figs[name] = {"value": value, "dominant_phase": max(shares, key=shares.get) if shares else None,
+                      "phase_shares": shares}
+
+    for c in sorted({p["concurrency"] for p in points}):
+        add(f"spec_over_target_only_c{c}", at[c, "spec"]["tokens_per_s"] / at[c, "target-only"]["tokens_per_s"],
+            at[c, "spec"])
+    if (1, "spec") in at and (16, "spec") in at:
+        add("spec_aggregate_c16_over_c1", at[16, "spec"]["tokens_per_s"] / at[1, "spec"]["tokens_per_s"], at[16, "spec"])
+    if workload.weight_read_s and (1, "spec") in at:
+        p = at[1, "spec"]
+        limit = p["mean_accepted_length"] / workload.weight_read_s  # tokens/s if a round cost one weight read
+        add("spec_c1_over_tau_weight_read_limit", p["tokens_per_s"] / limit, p)
+        figs["spec_c1_over_tau_weight_read_limit"]["limit_tokens_per_s"] = limit
+        figs["spec_c1_over_tau_weight_read_limit"]["weight_read_ms"] = workload.weight_read_s * 1e3
+    return figs
+
+
+TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "mean_accepted_length", "ttft_p50_ms",
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences")
+
+
+def report(result: dict) -> None:
+    rows = [{k: p.get(k) for k in TABLE_COLS} | _shares_cell(p) for p in result["points"]]
+    print_table(f"deltaflash e2e, {result['label']}, W {result['block_size']}, "
+                f"{result['max_new_tokens']} new tokens", rows)
+    for name, fig in result["figures"].items():
+        print(f"  {name}: {fig['value']:.3f}  (dominant phase: {fig['dominant_phase']})")
+
+
+def _shares_cell(point: dict) -> dict:
+    shares = point.get("phase_shares")
+    return {"profile": " ".join(f"{k}:{v:.0%}" for k, v in shares.items() if v >= 0.005)} if shares else {}
+
+
+@torch.inference_mode()
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from deltaflash.bench.e2e_plots import plot
+
+    if args.server:
+        from deltaflash.bench.e2e_server import run_server
+
+        return run_server(args)
+    max_c = max(args.concurrency)
+    workload = (_demo_workload if args.workload == "demo" else _scripted_workload)(args, max_c)
+    with tqdm(total=len(args.concurrency) * len(MODES), unit="point", disable=args.quiet) as bar:
+        result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar)
+    result["machine"] = machine()
+    if args.reference:
+        from deltaflash.bench.e2e_reference import reference
+
+        result["reference"] = reference(args, workload, result)
+    report(result)
+    out = Path(args.out)
+    write_json(out / f"e2e-{workload.name}.json", result)
+    for path in plot(result, out):
+        print(f"wrote {path}")
+    mismatches = sum(p["mismatched_sequences"] for p in result["points"] if p["mode"] == "spec")
+    return 0 if mismatches == 0 else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("e2e", help="end-to-end concurrency sweep, speculative vs target-only (table, JSON, PNGs)")
+    p.add_argument("--workload", choices=["demo", "scripted"], default="demo")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--prompts", type=int, default=32, help="distinct prompts (a point serves max(prompts, C) requests)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="docs/bench", help="folder for e2e-<workload>.json and the PNGs")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--model", default=None, help="demo: target folder; scripted: a checkpoint instead of the 9B shape")
+    p.add_argument("--draft", default=None, help="demo: drafter folder (default: the bundled drafter)")
+    p.add_argument("--block-size", type=int, default=0, help="W (default: the drafter's; scripted: 16)")
+    p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
+    p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
+    p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")
+    p.add_argument("--layers", type=int, default=32, help="scripted: layers of the 9B shape")
+    p.add_argument("--prompt-len", type=int, default=256, help="scripted: tokens per random prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profile", action="store_true", help="skip the phase-profile pass")
+    p.add_argument("--reference", action="store_true",
+                   help="demo: transformers generate and z-lab dflash_generate at concurrency 1, side by side")
+    p.add_argument("--server", default=None, metavar="URL", help="drive a running `deltaflash serve` (demo prompts)")
+    p.add_argument("--target-only-server", default=None, metavar="URL",
+                   help="with --server: a second server without a drafter, measured in the same run")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=600, help="--server: seconds per point")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)

@@ -1,0 +1,64 @@
+"""`deltaflash bench e2e` on CPU at tiny settings: the JSON it writes, both plots, lossless speculative
+output (greedy spec == target-only), and the scripted workload at zero corruption."""
+
+import argparse
+import json
+
+import pytest
+
+from deltaflash.bench import e2e
+from tests.checkpoints import build_hf_model, save_checkpoint
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    e2e.register(parser.add_subparsers())
+    return parser.parse_args(["e2e", *argv])
+
+
+def test_demo_workload_writes_json_and_plots(tmp_path):
+    args = parse("--concurrency", "1", "2", "--prompts", "2", "--max-new-tokens", "8", "--prompt-lines", "3",
+                 "--device", "cpu", "--out", str(tmp_path), "--quiet")
+    assert e2e.run(args) == 0
+    result = json.loads((tmp_path / "e2e-demo.json").read_text())
+    points = {(p["concurrency"], p["mode"]): p for p in result["points"]}
+    assert sorted(points) == [(1, "spec"), (1, "target-only"), (2, "spec"), (2, "target-only")]
+    for (c, mode), p in points.items():
+        assert p["requests"] == 2 and p["output_tokens"] > 0 and p["tokens_per_s"] > 0
+        assert p["mismatched_sequences"] == 0  # greedy speculative output == target-only output
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "seq_tokens_per_s_mean"):
+            assert p[key] is not None and p[key] > 0, key
+        assert sum(p["phase_shares"].values()) == pytest.approx(1.0)
+        if mode == "spec":
+            assert 1 <= p["mean_accepted_length"] <= result["block_size"] and p["accepted_lengths"]
+            assert p["phase_shares"]["verify"] > 0 and p["phase_shares"]["draft"] > 0
+        else:
+            assert p["mean_accepted_length"] is None
+    assert set(result["figures"]) == {"spec_over_target_only_c1", "spec_over_target_only_c2"}
+    for name in ("e2e-demo-tokens-per-s.png", "e2e-demo-accepted-length.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name
+
+
+def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):
+    model_dir = save_checkpoint(build_hf_model("dense_gqa", seed=4), tmp_path / "target")
+    args = parse("--workload", "scripted", "--model", str(model_dir), "--corrupt", "0", "--block-size", "4",
+                 "--concurrency", "1", "2", "--prompts", "2", "--prompt-len", "6", "--max-new-tokens", "12",
+                 "--device", "cpu", "--no-profile", "--out", str(tmp_path / "out"), "--quiet")
+    assert e2e.run(args) == 0
+    result = json.loads((tmp_path / "out" / "e2e-scripted.json").read_text())
+    assert "scripted" in result["label"]
+    spec = [p for p in result["points"] if p["mode"] == "spec"]
+    assert all(p["mean_accepted_length"] > 1 and p["mismatched_sequences"] == 0 for p in spec)
+    assert spec[0]["mean_accepted_length"] > 3  # W 4, every draft the target's own greedy token
+    limit = result["figures"]["spec_c1_over_tau_weight_read_limit"]
+    assert limit["value"] > 0 and limit["weight_read_ms"] > 0
+
+
+def test_corruption_for_a_target_accepted_length():
+    for tau in (3.0, 6.0):
+        corrupt = e2e.corrupt_for_tau(tau, 16)
+        assert 0 < corrupt < 1 and e2e.expected_tau(corrupt, 16) == pytest.approx(tau, rel=1e-6)
+    assert e2e.expected_tau(0.0, 16) == 16
+    with pytest.raises(ValueError):
+        e2e.corrupt_for_tau(16.0, 16)

@@ -58,6 +58,17 @@ def root_path(parents_row, node):
         node = int(parents_row[node])
     return path[::-1]
 
+def path_plan(parents, last_node):
+    """accepted_nodes [L, W] along each lane's root path to last_node(lane), and the path lengths."""
+    L, W = parents.shape
+    nodes = torch.zeros(L, W, dtype=torch.long)
+    lengths = []
+    for lane in range(L):
+        path = root_path(parents[lane], last_node(lane))
+        nodes[lane, :len(path)] = torch.tensor(path)
+        lengths.append(len(path))
+    return nodes, lengths
+
 
 def sequential_gdn(q, k, v, a, b, A_log, dt_bias, state):
     """One lane, rows in order, per token and per head. q, k [T, nk, dk]; v [T, nv, dv]; a, b [T, nv];
@@ -405,12 +416,7 @@ def test_replay_commit_kernel_tree_paths_and_every_length():
     L, W = 4, 5
     parents = random_tree_parents(L, W, seed=13)
     logs = torch.stack([gdn_verify_ref(*verify_args({**p, "layer": g}, parents))[1] for g in range(3)])
-    nodes = torch.zeros(L, W, dtype=torch.long)
-    full = []
-    for lane in range(L):
-        path = root_path(parents[lane], W - 1 - lane % 2)
-        nodes[lane, :len(path)] = torch.tensor(path)
-        full.append(len(path))
+    nodes, full = path_plan(parents, lambda lane: W - 1 - lane % 2)
     for cut in range(W + 1):
         accepted_len = torch.tensor([min(cut, n) for n in full])
         pool, pool_ref = p["pool"].clone(), p["pool"].clone()
@@ -443,12 +449,7 @@ def test_conv_commit_kernel_equals_ref_on_tree_paths():
     parents = random_tree_parents(L, W, seed=17)
     windows = torch.stack([conv_tree_step_ref(c["rows"], c["history"][:, g], c["slots"], parents, c["weight"])[1]
                            for g in range(2)])
-    nodes = torch.zeros(L, W, dtype=torch.long)
-    full = []
-    for lane in range(L):
-        path = root_path(parents[lane], W - 1 - lane % 3)
-        nodes[lane, :len(path)] = torch.tensor(path)
-        full.append(len(path))
+    nodes, full = path_plan(parents, lambda lane: W - 1 - lane % 3)
     for cut in range(W + 1):
         accepted_len = torch.tensor([min(cut, n) for n in full])
         hist, hist_ref = c["history"].clone(), c["history"].clone()

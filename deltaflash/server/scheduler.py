@@ -157,12 +157,16 @@ class Scheduler:
                 self._route(event)
             self._publish()
 
-    def _take_inbox(self) -> None:
+    def _inbox_items(self):
+        """What handlers have posted so far (jobs and cancellations), without waiting."""
         while True:
             try:
-                item = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _take_inbox(self) -> None:
+        for item in self._inbox_items():
             if isinstance(item, Job):
                 self._admit(item)
             else:
@@ -256,11 +260,7 @@ class Scheduler:
         for live in list(self._live.values()):
             self._deliver(live.job, Output("", (), len(live.job.prompt_ids), live.completion_tokens, error=message))
             self._retire(live, "error")
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for item in self._inbox_items():
             if isinstance(item, Job):
                 self._deliver(item, Output("", (), len(item.prompt_ids), 0, error=message))
                 self._release("error")

@@ -9,6 +9,10 @@
 #   PART draft  : drafter + final evaluation (about 7.5 minutes), on the OUT_DIR a `target` run left
 # Writes OUT_DIR/{tokenizer,target,draft}/ (each with training.json) and OUT_DIR/logs/*.log.
 # Each training stage's --max-minutes covers its data loading, training, final evaluation and export.
+# Environment: MAX_MINUTES (per training stage, default 6.5), LABELS (drafter labels: target or data,
+# default target), DRAFT_DIR (drafter folder, default OUT_DIR/draft; lets two block sizes train side by side),
+# LR (default 2e-3), DRAFT_INIT (drafter folder to start from), DRAFT_DATA (space-separated streams written by
+# `deltaflash train generate`, trained on together with the corpus; a stream named twice counts twice).
 set -euo pipefail
 
 out=${1:?usage: bench/train_demo_pair.sh OUT_DIR [BLOCK_SIZE] [all|target|draft]}
@@ -18,31 +22,40 @@ py=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1
-loop_args=(--device cuda --max-minutes 6.5 --steps 6000 --batch-size 32 --seq-len 512 --lr 2e-3 --warmup 200
+labels=${LABELS:-target}
+draft_dir=${DRAFT_DIR:-$out/draft}
+loop_args=(--device cuda --max-minutes "${MAX_MINUTES:-6.5}" --steps 6000 --batch-size 32 --seq-len 512 --lr "${LR:-2e-3}"
+           --warmup 200
            --eval-every 500 --seed 0)
 
-stage() {  # stage NAME ARGS...: python -m deltaflash.train NAME ARGS..., logged to OUT_DIR/logs/NAME.log
-  local name=$1
-  shift
+stage() {  # stage NAME LOG ARGS...: python -m deltaflash.train NAME ARGS..., logged to OUT_DIR/logs/LOG.log
+  local name=$1 log=$2
+  shift 2
   echo "=== $name: $*"
-  "$py" -m deltaflash.train "$name" "$@" 2>&1 | tee "$out/logs/$name.log"
+  "$py" -m deltaflash.train "$name" "$@" 2>&1 | tee "$out/logs/$log.log"
 }
 
 train_target() {
-  stage tokenizer --out "$out/tokenizer" --vocab-size 8192
+  stage tokenizer tokenizer --out "$out/tokenizer" --vocab-size 8192
   # GDN kernels: transformers' torch chunked form. fla-core 0.6's backward refuses to run on Hopper with
   # Triton >= 3.4, < 3.7.1 ("incorrect results for gated chunk_bwd_dqkwg", fla #640); the H200 machine
   # has Triton 3.6 (seen 2026-11-29). Set GDN_KERNEL=auto to use fla where its backward is allowed.
   local gdn=${GDN_KERNEL:-torch}
-  stage target --tokenizer "$out/tokenizer" --out "$out/target" "${loop_args[@]}" --gdn-kernel "$gdn"
+  stage target target --tokenizer "$out/tokenizer" --out "$out/target" "${loop_args[@]}" --gdn-kernel "$gdn"
   echo "$gdn" > "$out/gdn_kernel"
 }
 
 train_draft() {
   local gdn
   gdn=$(cat "$out/gdn_kernel")
-  stage draft --target "$out/target" --out "$out/draft" "${loop_args[@]}" --gdn-kernel "$gdn" --block-size "$block"
-  stage evaluate --target "$out/target" --draft "$out/draft" --device cuda --gdn-kernel "$gdn"
+  local log extra=()
+  log=$(basename "$draft_dir")
+  [[ -n ${DRAFT_INIT:-} ]] && extra+=(--init "$DRAFT_INIT")
+  # shellcheck disable=SC2206  # word splitting is the point: one path per word
+  [[ -n ${DRAFT_DATA:-} ]] && extra+=(--data $DRAFT_DATA)
+  stage draft "$log" --target "$out/target" --out "$draft_dir" "${loop_args[@]}" --gdn-kernel "$gdn" \
+    --block-size "$block" --labels "$labels" "${extra[@]}"
+  stage evaluate "$log-evaluate" --target "$out/target" --draft "$draft_dir" --device cuda --gdn-kernel "$gdn"
 }
 
 "$py" -c 'import sys, torch, transformers, tokenizers; assert torch.cuda.is_available(), "no CUDA device";

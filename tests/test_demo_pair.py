@@ -59,3 +59,16 @@ def test_speculative_greedy_equals_target_only(prompts):
     done = spec.generate(ids, params)[0]
     assert [c.token_ids for c in done] == expected
     assert all(c.accepted_lengths for c in done)
+
+
+def test_mean_accepted_length_on_20_heldout_prompts():
+    """The acceptance bar of the bundled pair: at least 3.0 tokens per round, bonus token included,
+    over 20 held-out prompts decoded greedily for 128 new tokens (fp32 on the CPU)."""
+    texts = heldout_prompts(load_split(), 20, num_lines=12)
+    assert len(texts) == 20
+    spec = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False, max_slots=20, max_model_len=1024)
+    done = spec.generate([encode_prompt(spec.tokenizer, t) for t in texts], SamplingParams(max_new_tokens=128))[0]
+    accepted = [n for c in done for n in c.accepted_lengths]
+    mean = sum(accepted) / len(accepted)
+    print(f"bundled pair: mean accepted length {mean:.3f} over {len(accepted)} rounds")
+    assert mean >= 3.0

@@ -205,3 +205,36 @@ def test_acceptance_is_chained_and_cli_evaluate_reports_it(pipeline, capsys):
     assert 0.0 < loss < 6.0  # below ln(300) = 5.7 + slack: the target learned something
     shown = [float(x) for x in re.search(r"slot 1\.\.3: ([0-9. ]+) \|", printed).group(1).split()]
     assert shown == pytest.approx(acceptance, abs=5e-4)
+
+
+def test_generate_writes_the_targets_greedy_continuations_and_draft_trains_on_them(pipeline, capsys):
+    from deltaflash.engine.engine import Engine
+    from deltaflash.engine.request import SamplingParams
+    from deltaflash.train.generate import generation_prompts, load_stream
+
+    out = pipeline.out
+    stream_path = out / "selfgen.safetensors"
+    cli.main(["generate", "--target", str(out / "target"), "--out", str(stream_path), "--prompts", "5",
+              "--new-tokens", "12", "--max-slots", "2", "--max-files", str(MAX_FILES), "--device", "cpu"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["prompts"] == 5
+
+    prompts = generation_prompts(pipeline.split.train, pipeline.tokenizer, 5, seed=0)
+    heldout_starts = {tuple(pipeline.tokenizer.encode(t, add_special_tokens=False).ids[:8]) for t in pipeline.split.heldout.texts}
+    assert not any(tuple(p[:8]) in heldout_starts for p in prompts)  # the train split only
+    engine = Engine.from_pretrained(out / "target", device="cpu", progress=False, max_slots=1, max_model_len=512)
+    greedy = [c.token_ids for c in engine.generate(prompts, SamplingParams(max_new_tokens=12))[0]]
+    eos = pipeline.ids.endoftext
+    expected = [p + g + ([] if g[-1] == eos else [eos]) for p, g in zip(prompts, greedy)]
+    assert load_stream(stream_path).tolist() == [t for doc in expected for t in doc]
+
+    cli.main(["draft", "--target", str(out / "target"), "--out", str(out / "draft-selfgen"), "--init", str(out / "draft"),
+              "--data", str(stream_path), str(stream_path), "--block-size", str(BLOCK), "--num-layers", "2",
+              "--intermediate-size", "128", "--num-attention-heads", "2", "--num-key-value-heads", "1",
+              "--head-dim", "32", "--target-layers", "1", "2", "--labels", "target", "--steps", "0",
+              "--batch-size", "2", "--seq-len", str(SEQ_LEN), "--eval-every", "0", "--eval-tokens", str(2 * SEQ_LEN),
+              "--max-files", str(MAX_FILES), "--device", "cpu"])
+    # zero steps from --init: the exported drafter is the initial one
+    initial, again = load_drafter(out / "draft", CPU), load_drafter(out / "draft-selfgen", CPU)
+    for (name, a), b in zip(initial.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name

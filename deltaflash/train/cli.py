@@ -1,4 +1,4 @@
-"""`deltaflash train tokenizer|target|draft|evaluate`: the bundled demo pair, trained on the stdlib.
+"""`deltaflash train tokenizer|target|generate|draft|evaluate`: the bundled demo pair, trained on the stdlib.
 
 Standalone: `python -m deltaflash.train <stage> ...`. Model code is imported inside the handlers
 so that `--gdn-kernel torch` can act before transformers loads its Qwen3.5 module.
@@ -51,6 +51,17 @@ def add_stages(parser: argparse.ArgumentParser) -> None:
     _add_loop_args(p, steps=6000, lr=2e-3, batch_size=32)
     p.set_defaults(func=_run_target)
 
+    p = stages.add_parser("generate", help="self-distillation data: the target's greedy continuations of train prompts")
+    p.add_argument("--target", type=Path, required=True, help="folder written by `train target`")
+    p.add_argument("--out", type=Path, required=True, help="safetensors file for the token stream")
+    p.add_argument("--prompts", type=int, default=2048, help="prompts (file starts first, then random windows)")
+    p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per prompt (fewer at end-of-text)")
+    p.add_argument("--max-slots", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    _add_corpus_args(p)
+    p.set_defaults(func=_run_generate)
+
     p = stages.add_parser("draft", help="DFlash drafter training against the frozen target")
     p.add_argument("--target", type=Path, required=True, help="folder written by `train target`")
     p.add_argument("--out", type=Path, required=True)
@@ -63,6 +74,9 @@ def add_stages(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=None, help="slot loss decay exp(-(k-1)/gamma) (default 7 B / 16)")
     p.add_argument("--labels", choices=("data", "target"), default="data",
                    help="slot k learns the corpus token (data) or the target's greedy token (target)")
+    p.add_argument("--data", type=Path, nargs="+", default=None,
+                   help="streams written by `train generate`, trained on together with the corpus train split")
+    p.add_argument("--init", type=Path, default=None, help="start from this exported drafter (same shape)")
     p.add_argument("--gdn-kernel", choices=("auto", "torch"), default="auto")
     _add_loop_args(p, steps=6000, lr=2e-3, batch_size=32)
     p.set_defaults(func=_run_draft)
@@ -146,7 +160,10 @@ def _loop_report(result, args, started: float) -> dict:
 
 
 def _args_report(args) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+    def plain(value):
+        return [plain(v) for v in value] if isinstance(value, list) else str(value) if isinstance(value, Path) else value
+
+    return {k: plain(v) for k, v in vars(args).items() if k != "func"}
 
 
 def _write_report(out: Path, report: dict) -> None:
@@ -197,11 +214,36 @@ def _run_target(args) -> None:
     })
 
 
+def _run_generate(args) -> None:
+    from deltaflash.engine.engine import Engine
+    from deltaflash.train.corpus import load_split
+    from deltaflash.train.generate import generate_stream, generation_prompts, save_stream
+    from deltaflash.train.tokenizer import load_tokenizer, special_ids
+
+    started = time.monotonic()
+    device = _device(args.device)
+    tokenizer = load_tokenizer(args.target)
+    prompts = generation_prompts(load_split(max_files=args.max_files).train, tokenizer, args.prompts, args.seed)
+    max_len = max(map(len, prompts)) + args.new_tokens + 1
+    engine = Engine.from_pretrained(args.target, device=device, progress=False, max_slots=args.max_slots,
+                                    max_model_len=max_len)
+    stream, offsets = generate_stream(engine, prompts, args.new_tokens, special_ids(tokenizer).endoftext)
+    generated = stream.numel() - sum(map(len, prompts)) - len(prompts)
+    report = {"stage": "generate", "target": str(args.target), "prompts": len(prompts), "tokens": stream.numel(),
+              "generated_tokens": generated, "seconds": round(time.monotonic() - started, 1),
+              "device": str(device), "args": _args_report(args)}
+    save_stream(args.out, stream, offsets, {k: json.dumps(v) for k, v in report.items()})
+    print(json.dumps(report))
+
+
 def _run_draft(args) -> None:
     started = time.monotonic()
     _select_gdn_kernel(args.gdn_kernel)
     from deltaflash.train.corpus import heldout_windows, token_streams
-    from deltaflash.train.draft import Drafter, default_gamma, export_drafter, teacher_forced_acceptance, train_drafter
+    import torch
+
+    from deltaflash.train.draft import (Drafter, default_gamma, export_drafter, load_drafter, teacher_forced_acceptance,
+                                        train_drafter)
     from deltaflash.train.evaluate import format_acceptance
     from deltaflash.train.loop import seed_everything
     from deltaflash.train.target import load_target
@@ -212,6 +254,10 @@ def _run_draft(args) -> None:
     tokenizer = load_tokenizer(args.target)
     ids = special_ids(tokenizer)
     train_tokens, heldout_tokens = token_streams(tokenizer, ids.endoftext, args.max_files)
+    if args.data:
+        from deltaflash.train.generate import load_stream
+
+        train_tokens = torch.cat([load_stream(path) for path in args.data] + [train_tokens])
     config = target.config
     layer_ids = args.target_layers or default_target_layer_ids(config.num_hidden_layers, args.num_layers)
     shape = DrafterShape(
@@ -222,6 +268,11 @@ def _run_draft(args) -> None:
     )
     seed_everything(args.seed)
     drafter = Drafter(shape)
+    if args.init:
+        initial = load_drafter(args.init, device)
+        if initial.shape != shape:
+            raise ValueError(f"--init {args.init}: its shape {initial.shape} differs from this run's {shape}")
+        drafter.load_state_dict(initial.state_dict())
     pair_bytes = _bf16_bytes(target) + _bf16_bytes(drafter)
     print(f"draft: {_bf16_bytes(drafter) / 2**20:.2f} MiB bf16 (pair {pair_bytes / 2**20:.2f} MiB), "
           f"context layers {shape.target_layer_ids}, block {shape.block_size}, device {device}")

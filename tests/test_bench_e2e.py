@@ -62,3 +62,32 @@ def test_corruption_for_a_target_accepted_length():
     assert e2e.expected_tau(0.0, 16) == 16
     with pytest.raises(ValueError):
         e2e.corrupt_for_tau(16.0, 16)
+
+
+def test_copying_random_model_decodes_stably_in_bf16():
+    """The scripted workload's random model: greedy decoding repeats the current token, and the
+    speculative route (16-row verify) reproduces target-only (1-row decode) output in bf16."""
+    import dataclasses
+
+    import torch
+
+    from deltaflash.engine.engine import Engine, EngineConfig
+    from deltaflash.engine.request import SamplingParams
+    from deltaflash.models.random_init import qwen35_9b_config, random_model
+    from deltaflash.spec.sources import ScriptedSource
+
+    cfg = dataclasses.replace(qwen35_9b_config(4), hidden_size=256, vocab_size=2048, num_heads=2, num_kv_heads=1,
+                              head_dim=64, rotary_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=32, linear_value_head_dim=32, intermediate_size=512)
+    model = random_model(cfg, torch.bfloat16, "cpu", copying=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 17)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    config = EngineConfig(max_slots=3, max_model_len=64)
+    plain = Engine(model, None, None, config).generate(prompts, params)[0]
+    assert [c.token_ids for c in plain] == [[p[-1]] * 24 for p in prompts]
+    scripts = {tuple(c.prompt_ids): c.token_ids for c in plain}
+    spec = Engine(model, None, None, config, draft_source=ScriptedSource(scripts, 16, cfg.vocab_size, 0.0, 0))
+    done = spec.generate(prompts, params)[0]
+    assert [c.token_ids for c in done] == [c.token_ids for c in plain]
+    assert [c.accepted_lengths for c in done] == [[16, 8]] * 3  # every draft accepted, cut at 24 tokens

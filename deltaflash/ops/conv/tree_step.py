@@ -24,9 +24,10 @@ def conv_tree_step_kernel(
     C,
     W: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
 ):
-    """One program: lane i_l, channel tile i_c. Window column K-1+n holds node n; tap j of node n reads
-    the column K-1-j steps up its path (past the root into the history)."""
-    i_c, i_l = tl.program_id(0), tl.program_id(1)
+    """One program: channel tile i_c of node n of lane i_l (nodes are independent: the path walk
+    only reads the window). Window column K-1+n holds node n; tap j of node n reads the column K-1-j
+    steps up its path (past the root into the history). Node 0's program also copies the history."""
+    i_c, n, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
     o_w = tl.arange(0, BW)
@@ -39,37 +40,37 @@ def conv_tree_step_kernel(
     p_rows = rows + i_l * stride_r_l + o_c.to(tl.int64) * stride_r_c  # node 0 of the lane's rows
     p_win = window + (i_l * C + o_c) * KW
     m_hist = m_c & (i_s >= 0)
-    for t in tl.static_range(K - 1):
-        b_h = tl.load(p_hist + t * stride_h_t, mask=m_hist, other=0.0)
-        tl.store(p_win + t, b_h.to(window.dtype.element_ty), mask=m_c)
+    if n == 0:
+        for t in tl.static_range(K - 1):
+            b_h = tl.load(p_hist + t * stride_h_t, mask=m_hist, other=0.0)
+            tl.store(p_win + t, b_h.to(window.dtype.element_ty), mask=m_c)
 
     b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-1).to(tl.int32)
-    for n in range(0, W):
-        b_r = tl.load(p_rows + n * stride_r_w, mask=m_c, other=0.0)
-        tl.store(p_win + K - 1 + n, b_r.to(window.dtype.element_ty), mask=m_c)
-        # walk up the path: b_cols[j] = window column of tap j
-        i_cur = K - 1 + n
-        b_cols = tl.where(o_t == K - 1, i_cur, 0)
-        for i in tl.static_range(1, K):
-            i_par = tl.sum(tl.where(o_w == i_cur - (K - 1), b_par, 0))
-            i_cur = tl.where(i_cur >= K - 1, tl.where(i_par >= 0, i_par + K - 1, K - 2), i_cur - 1)
-            b_cols = tl.where(o_t == K - 1 - i, i_cur, b_cols)
-        # taps in order j = 0..K-1, fp32, from 0
-        b_acc = tl.zeros([BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            i_col = tl.sum(tl.where(o_t == j, b_cols, 0))
-            b_xh = tl.load(p_hist + tl.minimum(i_col, K - 2) * stride_h_t, mask=m_hist & (i_col < K - 1), other=0.0)
-            m_row = (i_col >= K - 1) & (i_col < KW)  # upper bound: malformed parents read nothing
-            b_xr = tl.load(p_rows + tl.maximum(i_col - (K - 1), 0) * stride_r_w, mask=m_c & m_row, other=0.0)
-            b_x = tl.where(i_col < K - 1, b_xh.to(window.dtype.element_ty), b_xr.to(window.dtype.element_ty))
-            b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
-            b_acc = b_acc + b_w * b_x.to(tl.float32)
-        b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc))  # silu
-        tl.store(out + (i_l * W + n) * C + o_c, b_o.to(out.dtype.element_ty), mask=m_c)
+    b_r = tl.load(p_rows + n * stride_r_w, mask=m_c, other=0.0)
+    tl.store(p_win + K - 1 + n, b_r.to(window.dtype.element_ty), mask=m_c)
+    # walk up the path: b_cols[j] = window column of tap j
+    i_cur = K - 1 + n
+    b_cols = tl.where(o_t == K - 1, i_cur, 0)
+    for i in tl.static_range(1, K):
+        i_par = tl.sum(tl.where(o_w == i_cur - (K - 1), b_par, 0))
+        i_cur = tl.where(i_cur >= K - 1, tl.where(i_par >= 0, i_par + K - 1, K - 2), i_cur - 1)
+        b_cols = tl.where(o_t == K - 1 - i, i_cur, b_cols)
+    # taps in order j = 0..K-1, fp32, from 0
+    b_acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        i_col = tl.sum(tl.where(o_t == j, b_cols, 0))
+        b_xh = tl.load(p_hist + tl.minimum(i_col, K - 2) * stride_h_t, mask=m_hist & (i_col < K - 1), other=0.0)
+        m_row = (i_col >= K - 1) & (i_col < KW)  # upper bound: malformed parents read nothing
+        b_xr = tl.load(p_rows + tl.maximum(i_col - (K - 1), 0) * stride_r_w, mask=m_c & m_row, other=0.0)
+        b_x = tl.where(i_col < K - 1, b_xh.to(window.dtype.element_ty), b_xr.to(window.dtype.element_ty))
+        b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
+        b_acc = b_acc + b_w * b_x.to(tl.float32)
+    b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc))  # silu
+    tl.store(out + (i_l * W + n) * C + o_c, b_o.to(out.dtype.element_ty), mask=m_c)
 
 
 def conv_tree_step_fwd(rows, conv_history, state_slot_ids, parents, weight, out, window):
-    """Allocate the outputs (unless given) and launch one program per (channel tile, lane)."""
+    """Allocate the outputs (unless given) and launch one program per (channel tile, node, lane)."""
     L, W, C = rows.shape
     K = weight.shape[1]
     if out is None:
@@ -79,7 +80,7 @@ def conv_tree_step_fwd(rows, conv_history, state_slot_ids, parents, weight, out,
     if L == 0:
         return out, window
     BC = min(triton.next_power_of_2(C), 256)
-    conv_tree_step_kernel[(triton.cdiv(C, BC), L)](
+    conv_tree_step_kernel[(triton.cdiv(C, BC), W, L)](
         rows, conv_history, state_slot_ids, parents, weight, out, window,
         *rows.stride(), *conv_history.stride(), *parents.stride(), *weight.stride(),
         C,

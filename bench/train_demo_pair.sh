@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Trains the bundled demo pair on one GPU (H200) from the running interpreter's standard library:
 # byte-level BPE tokenizer, Qwen3.5 target, DFlash drafter; then reloads the exported folders and
-# prints their figures (held-out loss, teacher-forced acceptance per draft slot).
+# prints their figures (held-out loss, teacher-forced acceptance per draft slot). The bundled pair
+# also went through a self-distillation fine-tune of the drafter (`deltaflash train generate`, then
+# PART draft with DRAFT_INIT and DRAFT_DATA): deltaflash/assets/demo/README.md has the exact commands.
 #
 # Usage: bench/train_demo_pair.sh OUT_DIR [BLOCK_SIZE=8] [PART=all]   (PYTHON=... picks the interpreter)
 #   PART all    : everything (about 15 minutes)
-#   PART target : tokenizer + target (about 7.5 minutes; at most 9.5 with the fallback retry)
+#   PART target : tokenizer + target (about 6.5 minutes with MAX_MINUTES=7 on an H200)
 #   PART draft  : drafter + final evaluation (about 7.5 minutes), on the OUT_DIR a `target` run left
 # Writes OUT_DIR/{tokenizer,target,draft}/ (each with training.json) and OUT_DIR/logs/*.log.
 # Each training stage's --max-minutes covers its data loading, training, final evaluation and export.

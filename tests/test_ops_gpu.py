@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.test_ops_verify import random_tree_parents, root_path
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEV = "cuda"
@@ -46,19 +48,7 @@ def chain_parents(L, W):
 
 
 def tree_parents(L, W, seed):
-    gen = torch.Generator().manual_seed(seed)
-    par = torch.full((L, W), -1, dtype=torch.long)
-    for n in range(1, W):
-        par[:, n] = torch.randint(0, n, (L,), generator=gen)
-    return par.to(DEV)
-
-
-def root_path(parents_row, node):
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = int(parents_row[node])
-    return path[::-1]
+    return random_tree_parents(L, W, seed).to(DEV)
 
 
 def verify_args(p, parents):

@@ -227,6 +227,7 @@ def test_generate_writes_the_targets_greedy_continuations_and_draft_trains_on_th
     eos = pipeline.ids.endoftext
     expected = [p + g + ([] if g[-1] == eos else [eos]) for p, g in zip(prompts, greedy)]
     assert load_stream(stream_path).tolist() == [t for doc in expected for t in doc]
+    assert report["generated_tokens"] == sum(map(len, greedy))
 
     cli.main(["draft", "--target", str(out / "target"), "--out", str(out / "draft-selfgen"), "--init", str(out / "draft"),
               "--data", str(stream_path), str(stream_path), "--block-size", str(BLOCK), "--num-layers", "2",

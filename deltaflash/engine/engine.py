@@ -237,19 +237,25 @@ class Engine:
             events.append(StepEvent(seq.request_id, (), "cancelled"))
 
     # ---- offline generation -------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()):
-        """Run prompts to completion (all admitted as slots allow). Returns (completions, stats)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 progress: bool = False):
+        """Run prompts to completion (all admitted as slots allow). Returns (completions, seconds).
+        `progress` shows a bar over finished sequences."""
+        from tqdm import tqdm
+
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         seqs = {s.request_id: s for s in self.waiting}
         out: dict[str, list[int]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}
         t0 = time.perf_counter()
-        while self.has_work():
-            for ev in self.step():
-                out[ev.request_id].extend(ev.token_ids)
-                if ev.finish_reason:
-                    reasons[ev.request_id] = ev.finish_reason
+        with tqdm(total=len(ids), unit="seq", desc="generate", disable=not progress) as bar:
+            while self.has_work():
+                for ev in self.step():
+                    out[ev.request_id].extend(ev.token_ids)
+                    if ev.finish_reason:
+                        reasons[ev.request_id] = ev.finish_reason
+                        bar.update()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0

@@ -20,9 +20,9 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0, co
     rounding differences between a 1-row decode and a 16-row verify flip the argmax within a few
     tokens, and no recorded continuation survives a second run. `copying=True` makes it stable:
     embedding rows of rms COPY_EMBED_RMS dominate the residual stream and the lm_head is the
-    embedding (untied copy), so the greedy next token is the current one by a margin of about
-    sqrt(hidden_size) standard deviations. Every kernel still runs on the same shapes, so speed is
-    unchanged; only the values differ.
+    embedding (untied copy), so the greedy next token is the current one, by a margin of about
+    sqrt(hidden_size) standard deviations (an estimate from the construction). Every kernel still
+    runs on the same shapes, so speed is unchanged; only the values differ.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):

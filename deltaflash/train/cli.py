@@ -227,8 +227,7 @@ def _run_generate(args) -> None:
     max_len = max(map(len, prompts)) + args.new_tokens + 1
     engine = Engine.from_pretrained(args.target, device=device, progress=False, max_slots=args.max_slots,
                                     max_model_len=max_len)
-    stream, offsets = generate_stream(engine, prompts, args.new_tokens, special_ids(tokenizer).endoftext)
-    generated = stream.numel() - sum(map(len, prompts)) - len(prompts)
+    stream, offsets, generated = generate_stream(engine, prompts, args.new_tokens, special_ids(tokenizer).endoftext)
     report = {"stage": "generate", "target": str(args.target), "prompts": len(prompts), "tokens": stream.numel(),
               "generated_tokens": generated, "seconds": round(time.monotonic() - started, 1),
               "device": str(device), "args": _args_report(args)}

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from deltaflash.train.corpus import Corpus
 
@@ -42,31 +41,17 @@ def generation_prompts(corpus: Corpus, tokenizer, count: int, seed: int, max_pro
 
 @torch.inference_mode()
 def generate_stream(engine, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
-                    progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream [N] int64, doc_offsets [D+1]): prompt + greedy continuation + end-of-text per prompt,
-    in prompt order. The engine runs target-only greedy decoding, batched over its slots."""
+                    progress: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(stream [N] int64, doc_offsets [D+1], generated tokens): prompt + greedy continuation +
+    end-of-text (unless the continuation ended with it) per prompt, in prompt order. The engine runs
+    target-only greedy decoding, batched over its slots."""
     from deltaflash.engine.request import SamplingParams
 
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    docs: dict[str, list[int]] = {}
-    order = [engine.add_request(p, params) for p in prompts]
-    prompt_of = dict(zip(order, prompts))
-    with tqdm(total=len(prompts), unit="seq", desc="generate", disable=not progress) as bar:
-        generated: dict[str, list[int]] = {rid: [] for rid in order}
-        while engine.has_work():
-            for event in engine.step():
-                generated[event.request_id] += event.token_ids
-                if event.finish_reason:
-                    docs[event.request_id] = prompt_of[event.request_id] + generated[event.request_id]
-                    bar.update()
-    pieces, offsets = [], [0]
-    for rid in order:
-        doc = docs[rid]
-        if doc[-1] != eos_id:
-            doc = doc + [eos_id]
-        pieces.append(torch.tensor(doc, dtype=torch.int64))
-        offsets.append(offsets[-1] + len(doc))
-    return torch.cat(pieces), torch.tensor(offsets, dtype=torch.int64)
+    done, _ = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens), progress=progress)
+    docs = [c.prompt_ids + c.token_ids + ([] if c.token_ids[-1] == eos_id else [eos_id]) for c in done]
+    offsets = torch.tensor([0, *map(len, docs)], dtype=torch.int64).cumsum(0)
+    stream = torch.tensor([t for doc in docs for t in doc], dtype=torch.int64)
+    return stream, offsets, sum(len(c.token_ids) for c in done)
 
 
 def save_stream(path: Path, stream: torch.Tensor, offsets: torch.Tensor, metadata: dict[str, str]) -> None:

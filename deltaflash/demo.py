@@ -29,6 +29,9 @@ def run(args) -> int:
     prompts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     print(f"deltaflash demo on {plain.device}: target {model}, drafter {draft} (block {spec.speculator.block_size})\n")
+    warm = SamplingParams(max_new_tokens=8)
+    for engine in (plain, spec):  # first use compiles kernels and captures CUDA graphs: not timed
+        engine.generate([encode_prompt(tok, prompts[0])], warm)
     totals = {"plain": 0.0, "spec": 0.0, "tokens": 0, "rounds": [], "same": True}
     for i, text in enumerate(prompts):
         ids = encode_prompt(tok, text)

@@ -313,7 +313,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from deltaflash.ops.conv.tree_step import conv_tree_step  # noqa: E402
 from deltaflash.ops.gdn.commit import conv_commit, replay_commit  # noqa: E402
 from deltaflash.ops.gdn.naive import halving_sum  # noqa: E402
-from deltaflash.ops.gdn.verify import gdn_verify, gdn_verify_kernel, halving_sum_rows  # noqa: E402
+from deltaflash.ops.gdn.verify import bit_index, gdn_verify, gdn_verify_kernel  # noqa: E402
 from deltaflash.ops.gdn.verify import halving_sum as halving_sum_kernel  # noqa: E402
 
 interpreted = pytest.mark.skipif(
@@ -322,9 +322,9 @@ interpreted = pytest.mark.skipif(
 
 @triton.jit
 def _halving_probe(x, rows_out, vec_out, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr):
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    tl.store(rows_out + o_v, halving_sum_rows(tl.load(x + o_k[:, None] * BV + o_v[None, :]), BK, BV, LOG_BK))
-    tl.store(vec_out, halving_sum_kernel(tl.load(x + o_k * BV), BK, LOG_BK))
+    o_k, o_v = bit_index(LOG_BK), tl.arange(0, BV)
+    tl.store(rows_out + o_v, halving_sum_kernel(tl.load(x + tl.expand_dims(o_k, LOG_BK) * BV + o_v), LOG_BK))
+    tl.store(vec_out, halving_sum_kernel(tl.load(x + o_k * BV), LOG_BK))
 
 
 @interpreted

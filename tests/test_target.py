@@ -110,3 +110,27 @@ def test_sampling_is_reproducible_per_seed(dense_folder):
     a = engine.generate([prompt], p)[0][0].token_ids
     b = engine.generate([prompt, prompt], [p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=12)])[0][0].token_ids
     assert a == b
+
+
+def test_verify_ancestor_mask_follows_every_parent_chain():
+    """Verify rows see exactly their root path inside the block (trees, chains, width 1)."""
+    from deltaflash.models.qwen3_5 import _ancestor_mask
+
+    def walked(parents):
+        L, W = parents.shape
+        mask = torch.zeros(L, W, W, dtype=torch.bool)
+        for lane in range(L):
+            for node in range(W):
+                m = node
+                while m >= 0:
+                    mask[lane, node, m] = True
+                    m = int(parents[lane, m])
+        return mask
+
+    g = torch.Generator().manual_seed(0)
+    for W in (1, 2, 5, 16, 33):
+        tree = torch.stack([torch.tensor([-1] + [int(torch.randint(-1, n, (1,), generator=g)) for n in range(1, W)])
+                            for _ in range(3)])
+        chain = (torch.arange(W) - 1)[None]
+        for parents in (tree, chain):
+            assert torch.equal(_ancestor_mask(parents), walked(parents))

@@ -54,7 +54,7 @@ class Engine:
 
             width = config.block_size or drafter.config.block_size
             draft_source = DFlashSource(drafter, model, config.max_slots, config.max_model_len + width,
-                                        self.dtype, self.device)
+                                        self.dtype, self.device, width, cuda_graphs=use_cuda_graphs(self))
         width = (config.block_size or draft_source.block_size) if draft_source is not None else 0
         # verify rows of a sequence at its last position reach up to W - 1 positions further
         self.pool = SlotPool(self.cfg, config.max_slots, config.max_model_len + width, self.dtype, self.device)

@@ -1,4 +1,5 @@
-"""CUDA graphs of the verify forward, captured per lane bucket.
+"""CUDA graphs captured per lane bucket: the verify forward, and any lane-batched function (the
+drafter's block forward, its context append).
 
 A round with L lanes replays the graph of the smallest bucket >= L. Inputs are copied into the
 bucket's static buffers; the lanes past L are padding lanes (slot id -1: they read zeros, their
@@ -74,3 +75,43 @@ class VerifyGraphRunner:
         graph.replay()
         return VerifyOutput(logits=out.logits[:L], taps=None if out.taps is None else out.taps[:L],
                             conv_windows=out.conv_windows[:, :L], replay_log=out.replay_log[:, :L])
+
+
+class LaneGraphs:
+    """CUDA graphs of `fn(*inputs)`, one per lane bucket. Every input and output has the lanes as its
+    first dim. A call with L lanes replays the smallest bucket >= L; lanes past L get `pad_values`
+    (one per input: slot ids -1, so padding reads nothing and writes only to sinks). `run` returns
+    None when no bucket fits (the caller runs fn eagerly)."""
+
+    def __init__(self, fn, pad_values: tuple, buckets=LANE_BUCKETS):
+        self.fn, self.pad_values, self.buckets = fn, pad_values, tuple(sorted(buckets))
+        self.memory_pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, tuple]] = {}
+
+    def _capture(self, bucket: int, inputs: tuple):
+        static = tuple(torch.full((bucket, *x.shape[1:]), pad, dtype=x.dtype, device=x.device)
+                       for x, pad in zip(inputs, self.pad_values))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up on padding lanes (Triton compiles, cuBLAS picks kernels)
+            for _ in range(2):
+                self.fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            out = self.fn(*static)
+        self._graphs[bucket] = (graph, static, out if isinstance(out, tuple) else (out,))
+        return self._graphs[bucket]
+
+    def run(self, *inputs: torch.Tensor) -> tuple | None:
+        L = inputs[0].shape[0]
+        bucket = next((b for b in self.buckets if b >= L), None)
+        if bucket is None:
+            return None
+        graph, static, out = self._graphs.get(bucket) or self._capture(bucket, inputs)
+        for buffer, x, pad in zip(static, inputs, self.pad_values):
+            buffer[:L].copy_(x)
+            if L < bucket:
+                buffer[L:].fill_(pad)
+        graph.replay()
+        return tuple(o[:L] for o in out)

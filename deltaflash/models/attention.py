@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.models.layers import ZeroCenteredRMSNorm, apply_rope
-
-
-_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+from deltaflash.models.layers import ZeroCenteredRMSNorm, apply_rope, masked_attention
 
 
 class GatedAttention(nn.Module):
@@ -48,12 +43,7 @@ class GatedAttention(nn.Module):
         read = slot_ids.clamp(min=0)
         keys = pool.key_cache[read, a_i, :kmax].transpose(1, 2)  # [L, nkv, Kmax, hd]
         values = pool.value_cache[read, a_i, :kmax].transpose(1, 2)
-        rep = self.nh // self.nkv
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        with sdpa_kernel(_SDPA_BACKENDS):  # not cuDNN: it rebuilds its graph for every new key length (~8 ms host)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None],
-                scale=self.hd ** -0.5)
+        out = masked_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), visible[:, None],
+                               self.hd ** -0.5)
         out = out.transpose(1, 2).flatten(-2) * torch.sigmoid(gate.flatten(-2))
         return self.o_proj(out)

@@ -40,6 +40,7 @@ from deltaflash.errors import (
     UnsupportedModelError,
 )
 from deltaflash.models.dflash_config import DraftConfig, read_draft_config
+from deltaflash.models.layers import masked_attention
 
 
 class RMSNorm(nn.Module):
@@ -114,10 +115,8 @@ class DraftAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)  # [L, C+B, nk, hd]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            scale=self.head_dim**-0.5, enable_gqa=self.heads != self.kv_heads,
-        )  # [L, n, B, hd]
+        out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                               self.head_dim**-0.5)  # [L, n, B, hd]
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 

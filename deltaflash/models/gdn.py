@@ -97,15 +97,17 @@ class GatedDeltaNet(nn.Module):
         pool.recurrent_state[slot_idx, g_i] = state
         return self._output(o, z)
 
-    def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, verify_ops):
-        """x [L, W, H]. Persistent state is read only. Returns (out [L, W, H], window [L, C, K-1+W],
-        replay_log [L, W, nv, 1+dk+dv])."""
+    def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, verify_ops, window: torch.Tensor,
+               replay_log: torch.Tensor) -> torch.Tensor:
+        """x [L, W, H] -> out [L, W, H]. Persistent state is read only; this layer's conv window
+        [L, C, K-1+W] (x's dtype) and replay log [L, W, nv, 1+dk+dv] (fp32) are written into the
+        given contiguous tensors (one layer of the round's stacked outputs)."""
         g_i = self.gdn_index
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)
-        conv_out, window = verify_ops.conv_tree_step(
-            qkv, pool.conv_history[:, g_i], batch.slot_ids, batch.parents, self.conv_weight)
+        conv_out, _ = verify_ops.conv_tree_step(
+            qkv, pool.conv_history[:, g_i], batch.slot_ids, batch.parents, self.conv_weight, window_out=window)
         q, k, v = self._split_qkv(conv_out)
-        o, replay_log = verify_ops.gdn_verify(
-            q, k, v, a, b, self.A_log, self.dt_bias, pool.recurrent_state[:, g_i], batch.slot_ids, batch.parents)
-        return self._output(o, z), window, replay_log
+        o, _ = verify_ops.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, pool.recurrent_state[:, g_i],
+                                     batch.slot_ids, batch.parents, replay_log_out=replay_log)
+        return self._output(o, z)

@@ -1,10 +1,24 @@
-"""Building blocks of the Qwen3.5 text stack (reference path, plain torch)."""
+"""Building blocks of the Qwen3.5 text stack (plain torch; the norms run ops/norm kernels on CUDA)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from deltaflash.ops.norm.naive import gated_rms_norm_ref, zero_centered_rms_norm_ref
+from deltaflash.ops.norm.rms_norm import gated_rms_norm, zero_centered_rms_norm
+from deltaflash.ops.verify_route import fused_disabled
+
+# Not cuDNN: it builds a new graph for every new key length (~8 ms of host time per call), and decode
+# and drafting see a new key length every round.
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _norm_kernels(x: torch.Tensor) -> bool:
+    """Norms run as one Triton launch each on CUDA (ops/norm), unless fused kernels are switched off."""
+    return x.is_cuda and not fused_disabled()
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -16,9 +30,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        if _norm_kernels(x):
+            return zero_centered_rms_norm(x, self.weight, self.eps)
+        return zero_centered_rms_norm_ref(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,11 +44,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = z.dtype
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * of.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        if _norm_kernels(o):
+            return gated_rms_norm(o, z, self.weight, self.eps)
+        return gated_rms_norm_ref(o, z, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -107,3 +119,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = rd // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA over [L, heads, T, hd] queries and [L, kv_heads, S, hd] keys / values with a bool mask
+    [L, 1, T, S]; returns [L, heads, T, hd]. GQA without copying K / V per query head: the query
+    heads that share a kv head are stacked as extra query rows of that head (same keys, same mask)."""
+    L, heads, T, hd = q.shape
+    kv_heads = k.shape[1]
+    rep = heads // kv_heads
+    if rep > 1:
+        q = q.reshape(L, kv_heads, rep * T, hd)  # head g * rep + r -> kv head g, rows r * T + t
+        mask = mask.expand(L, 1, T, mask.shape[-1]).repeat(1, 1, rep, 1)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(L, heads, T, hd)

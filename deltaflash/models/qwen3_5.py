@@ -112,29 +112,28 @@ class Qwen35Model(nn.Module):
         visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
         write_slots = pool.kv_write_slots(batch.slot_ids, torch.ones(L, W, dtype=torch.bool, device=device))
 
-        windows, logs = [], []
-
-        def gdn(mixer, h):
-            out, window, log = mixer.verify(h, batch, pool, verify_ops)
-            windows.append(window)
-            logs.append(log)
-            return out
-
+        cfg = self.cfg
+        G, dk, dv = len(cfg.gdn_layer_ids), cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        # each GDN layer writes its slice in place (stacking afterwards would copy them all once more)
+        windows = torch.empty(G, L, cfg.conv_channels, cfg.conv_kernel - 1 + W, dtype=x.dtype, device=device)
+        logs = torch.empty(G, L, W, cfg.linear_num_value_heads, 1 + dk + dv, dtype=torch.float32, device=device)
+        gdn = lambda mixer, h: mixer.verify(h, batch, pool, verify_ops, windows[mixer.gdn_index],  # noqa: E731
+                                            logs[mixer.gdn_index])
         attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, write_slots)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
-        return VerifyOutput(logits=self.logits(x), taps=taps,
-                            conv_windows=torch.stack(windows), replay_log=torch.stack(logs))
+        return VerifyOutput(logits=self.logits(x), taps=taps, conv_windows=windows, replay_log=logs)
 
 
 def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents [L, W] -> [L, W, W] bool, [l, n, m] = m is n or an ancestor of n."""
+    """parents [L, W] -> [L, W, W] bool, [l, n, m] = m is n or an ancestor of n. Reachability by
+    squaring: after i squarings, paths of up to 2^i parent steps are in (log2 W small launches)."""
     L, W = parents.shape
-    mask = torch.eye(W, dtype=torch.bool, device=parents.device).repeat(L, 1, 1)
-    node = torch.arange(W, device=parents.device).repeat(L, 1)
-    for _ in range(W - 1):
-        node = parents.gather(1, node.clamp(min=0)).where(node >= 0, node)
-        mask.scatter_(2, node.clamp(min=0)[..., None], (node >= 0)[..., None] | mask.gather(2, node.clamp(min=0)[..., None]))
-    return mask
+    nodes = torch.arange(W, device=parents.device)
+    reach = (parents[..., None] == nodes) | (nodes[:, None] == nodes)  # [l, n, m]: m is n or n's parent
+    reach = reach.float()
+    for _ in range(max(W - 1, 1).bit_length()):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)  # counts of 0/1 paths: exact in fp32
+    return reach > 0
 
 
 def _pad_lanes_see_one_key(visible: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:

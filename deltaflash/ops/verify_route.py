@@ -16,7 +16,8 @@ import torch
 
 @dataclass(frozen=True)
 class VerifyOps:
-    """The four operations of the verify route (signatures in ops/conv and ops/gdn READMEs)."""
+    """The four operations of the verify route (signatures in ops/conv and ops/gdn READMEs). Both
+    routes' conv_tree_step and gdn_verify take the fused kernels' keyword outputs."""
 
     name: str
     conv_tree_step: Callable
@@ -25,11 +26,23 @@ class VerifyOps:
     conv_commit: Callable
 
 
+def _writing_into(fn: Callable, *out_names: str) -> Callable:
+    """A reference op returning a tuple, given the fused op's keyword outputs (`out_names`, one per
+    result): results are copied into the outputs that are given."""
+
+    def op(*args, **outs):
+        results = fn(*args)
+        return tuple(r if outs.get(name) is None else outs[name].copy_(r) for r, name in zip(results, out_names))
+
+    return op
+
+
 def unfused_ops() -> VerifyOps:
     from deltaflash.ops.conv.naive import conv_commit_ref, conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_commit_ref
 
-    return VerifyOps("unfused", conv_tree_step_ref, gdn_verify_ref, replay_commit_ref, conv_commit_ref)
+    return VerifyOps("unfused", _writing_into(conv_tree_step_ref, "out", "window_out"),
+                     _writing_into(gdn_verify_ref, "out", "replay_log_out"), replay_commit_ref, conv_commit_ref)
 
 
 def fused_ops() -> VerifyOps:

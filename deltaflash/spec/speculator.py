@@ -93,9 +93,9 @@ class Speculator:
                           accepted_len=torch.tensor(accepted_len, device=device), slot_ids_host=tuple(slots),
                           accepted_len_host=tuple(accepted_len), start_host=tuple(starts))
         commit(engine.pool, plan, out, self.verify_ops)
-        if out.taps is not None:
-            lane, row = (chain[None] < plan.accepted_len[:, None]).nonzero(as_tuple=True)
-            self.source.append(slot_ids[lane], start[lane] + row, out.taps[lane, row])
+        if out.taps is not None:  # accepted rows become draft context; the rest go to the sink (-1)
+            kept = torch.where(chain[None] < plan.accepted_len[:, None], slot_ids[:, None], -1)
+            self.source.append_block(kept, start[:, None] + chain, out.taps)
         clock.append(self._now())
 
         draft_host = drafts.tolist()

@@ -44,19 +44,54 @@ else:
 
 
 @triton.jit
-def halving_sum(x, BK: tl.constexpr, LOG_BK: tl.constexpr):
-    """[BK] -> scalar: add element i and i + n/2 for n = BK, BK/2, ..., 2 (naive.halving_sum's order)."""
-    for i in tl.static_range(LOG_BK):
-        x = tl.sum(tl.reshape(x, [2, BK >> (i + 1)]), axis=0)  # a sum of two is one exact-order add
-    return tl.sum(x, axis=0)
+def bit_index(LOG_N: tl.constexpr):
+    """A [2] * LOG_N int32 tensor holding its own row-major flat index: element (b_1, .., b_LOG_N) is
+    sum_j b_j 2^(LOG_N - j). A dk vector (or a [dk, BV] tile) loaded at these offsets keeps dk as
+    LOG_N size-2 axes, so halving_sum needs no reshape (a reshape may move data between threads)."""
+    idx = tl.arange(0, 2)
+    for _ in tl.static_range(LOG_N - 1):
+        idx = tl.expand_dims(idx, len(idx.shape)) * 2 + tl.arange(0, 2)
+    return idx
 
 
 @triton.jit
-def halving_sum_rows(x, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr):
-    """[BK, BV] -> [BV]: the sum over axis 0 in naive.halving_sum's order."""
-    for i in tl.static_range(LOG_BK):
-        x = tl.sum(tl.reshape(x, [2, BK >> (i + 1), BV]), axis=0)
-    return tl.reshape(x, [BV])
+def halving_sum(x, LOG_N: tl.constexpr):
+    """Sum the LOG_N leading size-2 axes of x ([2] * LOG_N + rest; a bit_index layout) in
+    naive.halving_sum's order: axis 0 adds element i and i + n/2 (a sum of two is one add, exact in
+    any order), the next axis halves again, and so on."""
+    for _ in tl.static_range(LOG_N):
+        x = tl.sum(x, axis=0)
+    return x
+
+
+@triton.jit
+def row_inputs(q, k, v, a, b, parents, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v, b_neg_A, b_dt, scale,
+               stride_q_l, stride_q_w, stride_q_h, stride_q_d,
+               stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+               stride_v_l, stride_v_w, stride_v_h, stride_v_d,
+               stride_a_l, stride_a_w, stride_a_h,
+               stride_b_l, stride_b_w, stride_b_h,
+               stride_p_l, stride_p_w,
+               W: tl.constexpr, LOG_BK: tl.constexpr):
+    """Everything row n needs that does not depend on the state: its parent, normalised q (scaled)
+    and k, v, gamma and beta. Rows n >= W load zeros (the prefetch past the last row)."""
+    live = n < W
+    i_p = tl.load(parents + i_l * stride_p_l + n * stride_p_w, mask=live, other=0).to(tl.int32)
+    # gates: g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)
+    b_x = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0).to(tl.float32)
+    b_x = b_x + b_dt
+    b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
+    b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0).to(tl.float32)
+    b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b))
+    b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
+                  mask=m_k & live, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_l * stride_k_l + n * stride_k_w + i_hk * stride_k_h + o_k * stride_k_d,
+                  mask=m_k & live, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
+                  mask=m_v & live, other=0.0).to(tl.float32)
+    b_q = b_q * exact_rsqrt(halving_sum(b_q * b_q, LOG_BK) + 1e-6) * scale
+    b_k = b_k * exact_rsqrt(halving_sum(b_k * b_k, LOG_BK) + 1e-6)
+    return i_p, b_q, b_k, b_v, b_gamma, b_beta
 
 
 @triton.jit
@@ -76,11 +111,12 @@ def gdn_verify_kernel(
     """One program: lane i_l, value head i_h, dv tile i_v; the [BK, BV] state tile lives in registers.
     Node n continues from node n-1's state when parents[n] == n-1 (the chain case, free). Otherwise the
     parent's state is rebuilt from the slot state by replaying the parent's root path from this
-    program's own replay-log rows (same update, so bit-identical to the state the chain would have)."""
+    program's own replay-log rows (same update, so bit-identical to the state the chain would have).
+    Row n + 1's inputs are loaded and prepared while row n updates the state (they do not depend on it)."""
     i_v, i_h, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
     i_hk = i_h // (HV // HK)
-    o_k = tl.arange(0, BK)
+    o_k = bit_index(LOG_BK)  # dk as LOG_BK size-2 axes; [dk, BV] tiles are [2] * LOG_BK + [BV]
     o_v = i_v * BV + tl.arange(0, BV)
     o_w = tl.arange(0, BW)
     m_k, m_v = o_k < K, o_v < V
@@ -88,8 +124,8 @@ def gdn_verify_kernel(
 
     i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
     p_S0 = recurrent_state + i_s * stride_s_s + i_h * stride_s_h
-    o_S = o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v
-    m_S0 = m_k[:, None] & m_v[None, :] & (i_s >= 0)
+    o_S = tl.expand_dims(o_k, LOG_BK) * stride_s_k + o_v * stride_s_v
+    m_S0 = tl.expand_dims(m_k, LOG_BK) & m_v & (i_s >= 0)
     b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
 
     b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-1).to(tl.int32)
@@ -99,8 +135,17 @@ def gdn_verify_kernel(
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
     p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
 
+    i_p, b_q, b_k, b_v, b_gamma, b_beta = row_inputs(
+        q, k, v, a, b, parents, i_l, i_h, i_hk, 0, o_k, o_v, m_k, m_v, b_neg_A, b_dt, scale,
+        stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+        stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
+        stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W, LOG_BK)
     for n in range(0, W):
-        i_p = tl.sum(tl.where(o_w == n, b_par, 0))
+        n_p, n_q, n_k, n_v, n_gamma, n_beta = row_inputs(
+            q, k, v, a, b, parents, i_l, i_h, i_hk, n + 1, o_k, o_v, m_k, m_v, b_neg_A, b_dt, scale,
+            stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+            stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
+            stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W, LOG_BK)
         if i_p != n - 1:
             tl.debug_barrier()  # this program's log rows of nodes < n are visible to all its threads
             b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
@@ -116,29 +161,14 @@ def gdn_verify_kernel(
                     b_km = tl.load(p_m + 1 + o_k, mask=m_k, other=0.0)
                     b_dm = tl.load(p_m + 1 + K + o_v, mask=m_v, other=0.0)
                     b_S = b_S * b_gm
-                    b_S = b_S + b_km[:, None] * b_dm[None, :]
-
-        # gates: g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)
-        b_x = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h).to(tl.float32) + b_dt
-        b_g = b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x)))
-        b_gamma = exact_exp(b_g)
-        b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h).to(tl.float32)
-        b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b))
-
-        b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
-                      mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + i_l * stride_k_l + n * stride_k_w + i_hk * stride_k_h + o_k * stride_k_d,
-                      mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
-                      mask=m_v, other=0.0).to(tl.float32)
-        b_q = b_q * exact_rsqrt(halving_sum(b_q * b_q, BK, LOG_BK) + 1e-6) * scale
-        b_k = b_k * exact_rsqrt(halving_sum(b_k * b_k, BK, LOG_BK) + 1e-6)
+                    b_S = b_S + tl.expand_dims(b_km, LOG_BK) * b_dm
 
         # decayed = gamma * S; delta = beta * (v - decayed^T k); S = decayed + k delta^T; o = S^T q
+        b_ke = tl.expand_dims(b_k, LOG_BK)
         b_S = b_S * b_gamma
-        b_delta = b_beta * (b_v - halving_sum_rows(b_S * b_k[:, None], BK, BV, LOG_BK))
-        b_S = b_S + b_k[:, None] * b_delta[None, :]
-        b_o = halving_sum_rows(b_S * b_q[:, None], BK, BV, LOG_BK)
+        b_delta = b_beta * (b_v - halving_sum(b_S * b_ke, LOG_BK))
+        b_S = b_S + b_ke * b_delta
+        b_o = halving_sum(b_S * tl.expand_dims(b_q, LOG_BK), LOG_BK)
 
         tl.store(o + ((i_l * W + n) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         p_n = p_log_lane + n * HV * E
@@ -146,15 +176,19 @@ def gdn_verify_kernel(
             tl.store(p_n, b_gamma)
             tl.store(p_n + 1 + o_k, b_k, mask=m_k)
         tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v)
+        i_p, b_q, b_k, b_v, b_gamma, b_beta = n_p, n_q, n_k, n_v, n_gamma, n_beta
 
 
-def verify_tiles(dk: int, dv: int):
-    """(BK, BV, num_warps) of the verify kernel. Sums over dk are halving trees (naive.halving_sum), so
-    results do not depend on this choice. BV 16 / 4 warps: 128 registers, no spills at dk = dv = 128
-    on sm_90 (ptxas); not yet tuned on hardware."""
+def verify_tiles(dk: int, dv: int, programs_per_tile: int):
+    """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. Sums over
+    dk are halving trees (naive.halving_sum), so results do not depend on this choice (the tuning
+    script checks it bit for bit). One warp keeps every dk sum inside the warp (no shared-memory
+    round trips). Measured on the H200 at the 9B shape (`bench/tune_verify.py`, 2026-11-29): BV 16 is
+    fastest from 4 lanes up (0.17 / 0.30 / 0.80 ms at 4 / 16 / 64 lanes, vs 0.25 / 0.56 / 1.70 ms
+    for BV 16 with 4 warps); at one lane BV 8 (0.095 ms), whose twice as many programs fill more SMs."""
     BK = triton.next_power_of_2(dk)
-    BV = min(triton.next_power_of_2(dv), 16)
-    return BK, BV, 4
+    BV = 16 if triton.cdiv(dv, 16) * programs_per_tile >= 1024 else 8
+    return BK, min(BV, triton.next_power_of_2(dv)), 1
 
 
 def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log):
@@ -167,7 +201,7 @@ def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
         replay_log = torch.empty(L, W, nv, 1 + dk + dv, dtype=torch.float32, device=q.device)
     if L == 0:
         return o, replay_log
-    BK, BV, num_warps = verify_tiles(dk, dv)
+    BK, BV, num_warps = verify_tiles(dk, dv, L * nv)
     grid = (triton.cdiv(dv, BV), nv, L)
     gdn_verify_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,

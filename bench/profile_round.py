@@ -1,0 +1,86 @@
+"""Profile the verify forward of the 9B shape (random bf16 weights) kernel by kernel with torch.profiler.
+
+Usage: python bench/profile_round.py [LANES ...] [--width W] [--layers N]   (CUDA)
+
+For each lane count: the forward is run eagerly (so every kernel is visible) and from its CUDA graph;
+prints the graph replay time, the eager kernel count and summed kernel time, and the kernels grouped
+by what they do, largest first. Plain decode is the same forward at width 1.
+"""
+
+import argparse
+import re
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from deltaflash.bench.common import time_ms
+from deltaflash.bench.round import decoding_engine, verify_batch
+from deltaflash.models.random_init import qwen35_9b_config, random_model
+
+# kernel name pattern -> group (first match wins)
+GROUPS = (
+    (r"gdn_verify", "GDN verify (Triton)"),
+    (r"conv_tree", "conv tree step (Triton)"),
+    (r"gemm|gemv|cutlass|sm90|nvjet|splitK|ampere|xmma", "GEMM"),
+    (r"fmha|attention|flash|softmax", "attention"),
+    (r"index|gather|scatter|Indexing|put_", "index / gather / scatter"),
+    (r"reduce|mean|sum", "reductions (norms)"),
+    (r"copy|cat|Cat", "copies / cat"),
+    (r"elementwise|vectorized|unrolled", "elementwise"),
+)
+
+
+def group(name: str) -> str:
+    return next((g for pattern, g in GROUPS if re.search(pattern, name, re.I)), "other")
+
+
+def profile_forward(fn) -> tuple[int, float, dict, list]:
+    """Kernel count, summed kernel ms, ms per group, top kernels of one call of fn."""
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = [e for e in prof.events() if e.device_type == kind]  # on CPU (smoke test): every op, nested
+    by_group, by_name = defaultdict(float), defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        ms = (e.device_time if cuda else e.cpu_time) / 1e3
+        by_group[group(e.name)] += ms
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return len(kernels), sum(by_group.values()), dict(by_group), top
+
+
+@torch.inference_mode()
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("lanes", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    model = random_model(qwen35_9b_config(args.layers), torch.bfloat16, args.device)
+    for lanes in args.lanes:
+        engine = decoding_engine(model, lanes, args.width, 256, 1024)
+        spec = engine.speculator
+        batch = verify_batch(engine)
+        eager = lambda: model.verify(batch, engine.pool, spec.verify_ops, spec.tap_layer_ids,  # noqa: E731
+                                     kmax=engine.pool.max_len)
+        eager_ms = time_ms(eager, 2, 5)
+        graph_ms = time_ms(lambda: spec.graphs.run(batch), 2, 10) if spec.graphs else float("nan")
+        profile_forward(eager)  # profiler warm-up
+        count, kernel_ms, groups, top = profile_forward(eager)
+        print(f"\n=== lanes {lanes}, width {args.width}: graph replay {graph_ms:.2f} ms, eager {eager_ms:.2f} ms, "
+              f"{count} kernels summing to {kernel_ms:.2f} ms (mean {kernel_ms / max(count, 1) * 1e3:.1f} us)")
+        for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+            print(f"  {g:28s} {ms:8.3f} ms")
+        for name, (n, ms) in top:
+            print(f"  {n:5d} x {ms / n * 1e3:8.1f} us  {ms:7.3f} ms  {name[:110]}")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

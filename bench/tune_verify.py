@@ -1,0 +1,59 @@
+"""Time the mapped GDN verify kernel over (BV, num_warps) tile choices at the 9B layer shape (CUDA).
+
+Usage: python bench/tune_verify.py [--lanes 1 4 16 64] [--configs 8x1 16x1 16x4 ...]
+
+The dk sums are halving trees, so every tile choice must give the same bits: each config's output
+and replay log are compared with the first config's (chains, and random trees at 4 lanes). Prints
+milliseconds per call and the ratio to the byte roofline (`bench kernels`' GDN bytes).
+"""
+
+import argparse
+
+import torch
+import triton
+
+import deltaflash.ops.gdn.verify as verify_mod
+from deltaflash.bench.common import copy_bandwidth_gbs, time_ms
+from deltaflash.bench.kernels import layer_inputs, split_qkv, verify_bytes
+from deltaflash.ops.verify_route import fused_ops
+
+
+def run_with(config, t, conv_out, parents):
+    bv, warps = config
+    verify_mod.verify_tiles = lambda dk, dv, programs: (triton.next_power_of_2(dk), bv, warps)
+    q, k, v = split_qkv(conv_out, *t["dims"][:4])
+    return lambda: verify_mod.gdn_verify(q, k, v, t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"][:, 0],
+                                         t["slot_ids"], parents)
+
+
+@torch.inference_mode()
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lanes", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--configs", nargs="+", default=["8x1", "16x1", "32x1", "16x2", "16x4"])
+    p.add_argument("--width", type=int, default=16)
+    args = p.parse_args()
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
+    bw = copy_bandwidth_gbs("cuda")
+    fused = fused_ops()
+    print("lanes  " + "  ".join(f"{b}x{w}".rjust(14) for b, w in configs) + "   (ms, x roofline; BVxwarps)")
+    for L in args.lanes:
+        t = layer_inputs(L, args.width, slots=max(2 * L, 8))
+        conv_out = fused.conv_tree_step(t["qkv"], t["history"][:, 0], t["slot_ids"], t["parents"], t["conv_w"])[0]
+        trees = torch.randint(0, 2, (L, args.width), device="cuda")  # parent n-1 or n-2: a random tree
+        tree_parents = torch.clamp(torch.arange(args.width, device="cuda") - 1 - trees, min=-1)
+        tree_parents[:, 0] = -1
+        roof = verify_bytes(L, args.width, t["dims"])[1] / (bw * 1e9) * 1e3
+        cells, reference = [], None
+        for config in configs:
+            outs = [tuple(x.clone() for x in run_with(config, t, conv_out, par)()) for par in (t["parents"], tree_parents)]
+            if reference is None:
+                reference = outs
+            same = all(torch.equal(a, b) for o, r in zip(outs, reference) for a, b in zip(o, r))
+            ms = time_ms(run_with(config, t, conv_out, t["parents"]), 5, 20)
+            cells.append(f"{ms:.3f} {ms / roof:5.1f}x{'' if same else ' DIFF'}")
+        print(f"{L:5d}  " + "  ".join(c.rjust(14) for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -186,9 +186,13 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     itl = [(b - a) / n for t in traces for a, b, n in zip(t.event_times, t.event_times[1:], t.event_tokens[1:])
            for _ in range(n)]
     per_seq = [len(t.token_ids) / (t.event_times[-1] - t.submit) for t in traces if t.event_times]
+    # decode rate: tokens after the first over the time after the first (1 / TPOT; prefill excluded)
+    decode = [(len(t.token_ids) - t.event_tokens[0]) / (t.event_times[-1] - t.event_times[0])
+              for t in traces if len(t.event_times) > 1]
     accepted = [n for _, r in steps for n in r.accepted_lengths]
     out = {"requests": len(traces), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
            "seq_tokens_per_s_mean": sum(per_seq) / len(per_seq),
+           "seq_decode_tokens_per_s_mean": sum(decode) / len(decode) if decode else None,
            "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None, "rounds": len(accepted)}
     for name, xs in (("ttft", ttft), ("itl", itl)):
         for q in (50, 90, 99):
@@ -270,12 +274,17 @@ def figures(points: list[dict], workload: Workload) -> dict:
         p = at[1, "spec"]
         limit = p["mean_accepted_length"] / workload.weight_read_s  # tokens/s if a round cost one weight read
         add("spec_c1_over_tau_weight_read_limit", p["tokens_per_s"] / limit, p)
-        figs["spec_c1_over_tau_weight_read_limit"]["limit_tokens_per_s"] = limit
-        figs["spec_c1_over_tau_weight_read_limit"]["weight_read_ms"] = workload.weight_read_s * 1e3
+        if p.get("seq_decode_tokens_per_s_mean"):  # the same, prefill (time to first token) excluded
+            add("spec_c1_decode_over_tau_weight_read_limit", p["seq_decode_tokens_per_s_mean"] / limit, p)
+        for name in ("spec_c1_over_tau_weight_read_limit", "spec_c1_decode_over_tau_weight_read_limit"):
+            if name in figs:
+                figs[name]["limit_tokens_per_s"] = limit
+                figs[name]["weight_read_ms"] = workload.weight_read_s * 1e3
     return figs
 
 
-TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "mean_accepted_length", "ttft_p50_ms",
+TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
+              "mean_accepted_length", "ttft_p50_ms",
               "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences")
 
 

@@ -71,7 +71,7 @@ class DraftContextCache:
         slots = self._slot_index(slot_ids)
         positions = torch.where(slot_ids < 0, 0, positions)
         self.lengths.scatter_reduce_(0, slots, positions + 1, reduce="amax")
-        self.lengths[self.num_slots] = 0
+        self.lengths[self.num_slots:].zero_()  # a kernel, not a host-to-device copy (CUDA-graph safe)
         rows = positions
         if self.ring:  # only the newest `capacity` rows of a slot survive this append
             rows = positions % self.capacity

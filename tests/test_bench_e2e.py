@@ -91,3 +91,32 @@ def test_copying_random_model_decodes_stably_in_bf16():
     done = spec.generate(prompts, params)[0]
     assert [c.token_ids for c in done] == [c.token_ids for c in plain]
     assert [c.accepted_lengths for c in done] == [[16, 8]] * 3  # every draft accepted, cut at 24 tokens
+
+
+def test_server_mode_drives_live_servers(tmp_path):
+    """`--server` / `--target-only-server` against two real `deltaflash serve` processes (bundled pair, CPU)."""
+    from deltaflash.demo import BUNDLED
+    from tests.server_process import ServerProcess
+
+    spec = ServerProcess(BUNDLED / "target", tmp_path / "spec.log", draft=BUNDLED / "draft")
+    try:
+        plain = ServerProcess(BUNDLED / "target", tmp_path / "plain.log")
+        try:
+            args = parse("--server", spec.url, "--target-only-server", plain.url, "--concurrency", "1", "2",
+                         "--prompts", "3", "--max-new-tokens", "16", "--prompt-lines", "4", "--out", str(tmp_path),
+                         "--quiet")
+            assert e2e.run(args) == 0
+        finally:
+            plain.stop()
+    finally:
+        spec.stop()
+    result = json.loads((tmp_path / "e2e-demo-server.json").read_text())
+    points = {(p["concurrency"], p["mode"]): p for p in result["points"]}
+    assert sorted(points) == [(1, "spec"), (1, "target-only"), (2, "spec"), (2, "target-only")]
+    for (c, mode), p in points.items():
+        assert p["requests"] == 3 and 0 < p["output_tokens"] <= 3 * 16
+        assert p["mismatched_sequences"] == 0
+        assert p["seq_decode_tokens_per_s_mean"] > 0 and p["ttft_p50_ms"] > 0
+    assert points[1, "spec"]["mean_accepted_length"] >= 1.0 and points[1, "spec"]["rounds"] > 0
+    assert points[1, "target-only"]["mean_accepted_length"] is None
+    assert (tmp_path / "e2e-demo-server-tokens-per-s.png").is_file()

@@ -182,18 +182,25 @@ def drive(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
 
 def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     tokens = sum(len(t.token_ids) for t in traces)
-    ttft = [t.event_times[0] - t.submit for t in traces if t.event_times]
-    itl = [(b - a) / n for t in traces for a, b, n in zip(t.event_times, t.event_times[1:], t.event_tokens[1:])
-           for _ in range(n)]
-    per_seq = [len(t.token_ids) / (t.event_times[-1] - t.submit) for t in traces if t.event_times]
-    # decode rate: tokens after the first over the time after the first (1 / TPOT; prefill excluded)
-    decode = [(len(t.token_ids) - t.event_tokens[0]) / (t.event_times[-1] - t.event_times[0])
-              for t in traces if len(t.event_times) > 1]
     accepted = [n for _, r in steps for n in r.accepted_lengths]
-    out = {"requests": len(traces), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-           "seq_tokens_per_s_mean": sum(per_seq) / len(per_seq),
-           "seq_decode_tokens_per_s_mean": sum(decode) / len(decode) if decode else None,
-           "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None, "rounds": len(accepted)}
+    out = {"requests": len(traces), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    out |= latency_summary([(t.event_times[0] - t.submit, t.event_times[-1] - t.submit,
+                             list(zip(t.event_times, t.event_tokens)), len(t.token_ids)) for t in traces if t.event_times])
+    out |= {"mean_accepted_length": sum(accepted) / len(accepted) if accepted else None, "rounds": len(accepted)}
+    return out
+
+
+def latency_summary(sequences: list[tuple[float, float, list[tuple[float, int]], int]]) -> dict:
+    """Per sequence (first token s, last token s, [(event time, tokens in the event)], tokens), all
+    times from the sequence's submission: mean tokens/s, mean decode tokens/s (tokens after the first
+    over the time after the first: 1 / TPOT, prefill excluded), TTFT and inter-token percentiles (an
+    event of n tokens counts as n gaps of 1/n of its interval)."""
+    ttft = [first for first, _, _, _ in sequences]
+    itl = [(b - a) / n for _, _, events, _ in sequences for (a, _), (b, n) in zip(events, events[1:]) for _ in range(n)]
+    per_seq = [tokens / last for _, last, _, tokens in sequences]
+    decode = [(tokens - events[0][1]) / (last - first) for first, last, events, tokens in sequences if len(events) > 1]
+    out = {"seq_tokens_per_s_mean": sum(per_seq) / len(per_seq) if per_seq else None,
+           "seq_decode_tokens_per_s_mean": sum(decode) / len(decode) if decode else None}
     for name, xs in (("ttft", ttft), ("itl", itl)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3 if xs else None

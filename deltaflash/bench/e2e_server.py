@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from deltaflash.bench.common import machine, write_json
-from deltaflash.bench.e2e import percentile, report
+from deltaflash.bench.e2e import latency_summary, report
 from deltaflash.bench.serve import Trace, _stream
 from deltaflash.demo import BUNDLED
 
@@ -84,20 +84,15 @@ async def _point(args, url: str, prompts: list[list[int]], concurrency: int) -> 
     if errors:
         raise SystemExit(f"{url}: {len(errors)} requests failed, first: {errors[0]}")
     tokens = sum(len(t.token_ids) for t in traces)
-    ttft = [t.chunk_times[0] for t in traces if t.chunk_times]  # _stream times are from each request's send
-    itl = [(b - a) / n for t in traces for a, b, n in zip(t.chunk_times, t.chunk_times[1:], t.chunk_tokens[1:])
-           for _ in range(n)]
-    per_seq = [len(t.token_ids) / t.chunk_times[-1] for t in traces if t.chunk_times]
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     rounds = delta.get("accepted_count", 0.0)
     phase = {k: delta.get(f"phase_{k}", 0.0) for k in ("prefill", "decode")}
-    point = {"requests": requests, "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-             "seq_tokens_per_s_mean": sum(per_seq) / len(per_seq),
-             "mean_accepted_length": delta["accepted_sum"] / rounds if rounds else None, "rounds": int(rounds),
-             "accepted_lengths": [], "server_phase_seconds": phase}
-    for name, xs in (("ttft", ttft), ("itl", itl)):
-        for q in (50, 90, 99):
-            point[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3 if xs else None
+    point = {"requests": requests, "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    # _stream's chunk times are from each request's send
+    point |= latency_summary([(t.chunk_times[0], t.chunk_times[-1], list(zip(t.chunk_times, t.chunk_tokens)),
+                               len(t.token_ids)) for t in traces if t.chunk_times])
+    point |= {"mean_accepted_length": delta["accepted_sum"] / rounds if rounds else None, "rounds": int(rounds),
+              "accepted_lengths": [], "server_phase_seconds": phase}
     return point, [t.token_ids for t in traces]
 
 

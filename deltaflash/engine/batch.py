@@ -99,6 +99,8 @@ class CommitPlan:
 
     slot_ids [L] long (-1 padding); accepted_nodes [L, W] long (node ids of the accepted path in token
     order; a chain is arange); accepted_len [L] long in 0..W (rows committed, bonus anchor included).
+    chain_host: the caller knows every accepted path is 0, 1, 2, ... (no K/V rows to move, so the
+    commit need not ask the device).
     """
 
     slot_ids: torch.Tensor
@@ -107,3 +109,4 @@ class CommitPlan:
     slot_ids_host: tuple[int, ...]
     accepted_len_host: tuple[int, ...]
     start_host: tuple[int, ...]
+    chain_host: bool = False

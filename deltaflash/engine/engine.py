@@ -194,7 +194,7 @@ class Engine:
         one = (1,) * len(seqs)
         plan = CommitPlan(slot_ids=slot_ids, accepted_nodes=torch.zeros_like(batch.parents),
                           accepted_len=torch.ones_like(slot_ids), slot_ids_host=slots, accepted_len_host=one,
-                          start_host=starts)
+                          start_host=starts, chain_host=True)
         commit(self.pool, plan, out, self.verify_ops)
         for seq, tok in zip(seqs, tokens):
             self.emit(seq, [tok], events)

@@ -86,19 +86,19 @@ class Speculator:
             if not seq.params.greedy:
                 accepted[i] = accept_sampled(out.logits[i], drafts[i], draft_probs[i], seq.params, seq.generator,
                                              n_draft[i])
+        draft_host = drafts.tolist()  # acceptance synced with the device already: a cheap copy now
         clock.append(self._now())
 
         accepted_len = [accepted[i][0] + 1 for i in range(n)] + [0] * (L - n)
         plan = CommitPlan(slot_ids=slot_ids, accepted_nodes=chain.expand(L, W).contiguous(),
                           accepted_len=torch.tensor(accepted_len, device=device), slot_ids_host=tuple(slots),
-                          accepted_len_host=tuple(accepted_len), start_host=tuple(starts))
+                          accepted_len_host=tuple(accepted_len), start_host=tuple(starts), chain_host=True)
         commit(engine.pool, plan, out, self.verify_ops)
         if out.taps is not None:  # accepted rows become draft context; the rest go to the sink (-1)
             kept = torch.where(chain[None] < plan.accepted_len[:, None], slot_ids[:, None], -1)
             self.source.append_block(kept, start[:, None] + chain, out.taps)
         clock.append(self._now())
 
-        draft_host = drafts.tolist()
         for i, seq in enumerate(seqs):
             n_acc, bonus = accepted[i]
             seq.accepted_lengths.append(n_acc + 1)

@@ -134,3 +134,11 @@ def test_verify_ancestor_mask_follows_every_parent_chain():
         chain = (torch.arange(W) - 1)[None]
         for parents in (tree, chain):
             assert torch.equal(_ancestor_mask(parents), walked(parents))
+
+
+def test_extend_batch_packs_live_rows_once():
+    """The per-batch tables every GDN layer reuses: live lanes, their valid rows packed in order, offsets."""
+    batch = ExtendBatch.build([(4, 0, [1, 2, 3]), (2, 7, [5])], "cpu", pad_lanes_to=3)
+    assert batch.live_lanes.tolist() == [0, 1] and batch.live_lanes_host == [0, 1]
+    assert batch.packed_rows.tolist() == [0, 1, 2, 3]  # T = 3: lane 0 rows 0..2, lane 1 row 0
+    assert batch.cu_seqlens.tolist() == batch.cu_seqlens_host.tolist() == [0, 3, 4]

@@ -14,6 +14,10 @@ class ExtendBatch:
     input_ids [L, T] long, positions [L, T] long (start + t); slot_ids [L] long on the device
     (-1 = padding lane: reads zeros, writes nothing); n_rows [L] long on the device (valid rows,
     first in each lane). `*_host` mirror them as Python ints so no step syncs to read them.
+    live_lanes [L'] long on the device: the lanes with a slot, in order; packed_rows [N] long
+    (device): lane * T + t of each valid row of those lanes, in order (the rows packed one after
+    another); cu_seqlens [L'+1] long (device) and cu_seqlens_host (CPU): the packed offsets. Built
+    once per batch, so no layer copies host data to the device (each such copy waits for the stream).
     """
 
     input_ids: torch.Tensor
@@ -23,6 +27,14 @@ class ExtendBatch:
     slot_ids_host: tuple[int, ...]
     n_rows_host: tuple[int, ...]
     start_host: tuple[int, ...]
+    live_lanes: torch.Tensor
+    packed_rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: torch.Tensor
+
+    @property
+    def live_lanes_host(self) -> list[int]:
+        return [i for i, s in enumerate(self.slot_ids_host) if s >= 0]
 
     @property
     def num_lanes(self) -> int:
@@ -41,6 +53,8 @@ class ExtendBatch:
             ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             pos[i] = start + torch.arange(T)
             slots[i], n_rows[i], starts[i] = slot, len(toks), start
+        live = [i for i, s in enumerate(slots) if s >= 0]
+        cu = torch.tensor([0] + [n_rows[i] for i in live], dtype=torch.long).cumsum(0)
         return cls(
             input_ids=ids.to(device),
             positions=pos.to(device),
@@ -49,6 +63,10 @@ class ExtendBatch:
             slot_ids_host=tuple(slots),
             n_rows_host=tuple(n_rows),
             start_host=tuple(starts),
+            live_lanes=torch.tensor(live, dtype=torch.long).to(device),
+            packed_rows=torch.tensor([i * T + t for i in live for t in range(n_rows[i])], dtype=torch.long).to(device),
+            cu_seqlens=cu.to(device),
+            cu_seqlens_host=cu,
         )
 
 

@@ -65,8 +65,7 @@ class GatedDeltaNet(nn.Module):
         """x [L, T, H] normed hidden. Reads and writes the lanes' conv history and recurrent state."""
         L, T, _ = x.shape
         g_i = self.gdn_index
-        lanes = [i for i, s in enumerate(batch.slot_ids_host) if s >= 0]
-        lane_idx = torch.tensor(lanes, dtype=torch.long, device=x.device)
+        lane_idx = batch.live_lanes
         slot_idx = batch.slot_ids[lane_idx]
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)
@@ -86,14 +85,11 @@ class GatedDeltaNet(nn.Module):
                 q, k, v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state)
         else:
             q, k = self._repeat_key_heads(q), self._repeat_key_heads(k)
-            lens = [batch.n_rows_host[i] for i in lanes]
-            rows = [(i, n) for i, n in zip(lanes, lens)]
-            pack = lambda t: torch.cat([t[i, :n] for i, n in rows])  # noqa: E731
-            o_packed, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(g), pack(beta), state, lens)
-            row = 0
-            for i, n in rows:
-                o[i, :n] = o_packed[row:row + n]
-                row += n
+            lens = [batch.n_rows_host[i] for i in batch.live_lanes_host]
+            pack = lambda t: t.flatten(0, 1)[batch.packed_rows]  # noqa: E731  [L, T, ...] -> valid rows [N, ...]
+            o_packed, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(g), pack(beta), state, lens,
+                                                            batch.cu_seqlens, batch.cu_seqlens_host)
+            o.flatten(0, 1)[batch.packed_rows] = o_packed
         pool.recurrent_state[slot_idx, g_i] = state
         return self._output(o, z)
 

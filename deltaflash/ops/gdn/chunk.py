@@ -45,13 +45,20 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk: int = CHU
     return out.transpose(0, 1), state
 
 
-def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: list[int]):
+def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: list[int], cu_seqlens=None,
+                                  cu_seqlens_host=None):
     """Several sequences packed along rows. q, k: [N, H, dk] raw (L2-normalised here, q scaled by
     dk^-0.5); v: [N, H, dv] (activation dtype); g, beta: [N, H] fp32; initial_states: [B, H, dk, dv]
-    fp32; seq_lens: host list of B row counts summing to N.
+    fp32; seq_lens: host list of B row counts summing to N. cu_seqlens (device) / cu_seqlens_host
+    (CPU) [B+1]: their offsets, if the caller has them; passing the same tensors to every layer lets
+    fla-core reuse its chunk index tables instead of copying new ones to the device per call.
     Returns (o [N, H, dv] fp32, final_states [B, H, dk, dv] fp32). Uses fla-core on CUDA."""
     if q.is_cuda:
-        return _fla_varlen(q, k, v, g, beta, initial_states, seq_lens)
+        if cu_seqlens_host is None:
+            cu_seqlens_host = torch.tensor([0] + list(seq_lens)).cumsum(0)
+        if cu_seqlens is None:
+            cu_seqlens = cu_seqlens_host.to(q.device)
+        return _fla_varlen(q, k, v, g, beta, initial_states, cu_seqlens, cu_seqlens_host)
     q, k = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
     outs, finals, row = [], [], 0
     for i, n in enumerate(seq_lens):
@@ -63,14 +70,13 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: li
     return torch.cat(outs), torch.stack(finals)
 
 
-def _fla_varlen(q, k, v, g, beta, initial_states, seq_lens):
+def _fla_varlen(q, k, v, g, beta, initial_states, cu_seqlens, cu_seqlens_host):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    cu = torch.tensor([0] + list(seq_lens), device=q.device).cumsum(0)
     o, final = chunk_gated_delta_rule(  # l2norm of q, k in-kernel, in fp32
         q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None].float(), beta[None].to(v.dtype),
         scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
-        cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host, use_qk_l2norm_in_kernel=True,
     )
     return o[0].float(), final.float()
 

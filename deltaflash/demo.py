@@ -30,6 +30,9 @@ def run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     print(f"deltaflash demo on {plain.device}: target {model}, drafter {draft} (block {spec.speculator.block_size})\n")
     warm = SamplingParams(max_new_tokens=8)
+    if plain.device.type == "cuda":
+        print("warming up: first use compiles the kernels and captures CUDA graphs (a minute or two on a fresh machine)\n",
+              flush=True)
     for engine in (plain, spec):  # first use compiles kernels and captures CUDA graphs: not timed
         engine.generate([encode_prompt(tok, prompts[0])], warm)
     totals = {"plain": 0.0, "spec": 0.0, "tokens": 0, "rounds": [], "same": True}

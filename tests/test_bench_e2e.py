@@ -120,3 +120,12 @@ def test_server_mode_drives_live_servers(tmp_path):
     assert points[1, "spec"]["mean_accepted_length"] >= 1.0 and points[1, "spec"]["rounds"] > 0
     assert points[1, "target-only"]["mean_accepted_length"] is None
     assert (tmp_path / "e2e-demo-server-tokens-per-s.png").is_file()
+
+
+def test_compare_reports_where_each_sequence_first_differs():
+    points = [{"mode": "spec"}, {"mode": "target-only"}]
+    e2e.compare(points, [[1, 2, 3], [4, 5, 9, 7], [1, 2]], [[1, 2, 3], [4, 5, 6, 7], [1, 2, 8]])
+    assert all(p["mismatched_sequences"] == 2 for p in points)
+    assert points[0]["first_differences"] == [
+        {"sequence": 1, "position": 2, "spec": 9, "target_only": 6},
+        {"sequence": 2, "position": 2, "spec": None, "target_only": 8}]

@@ -254,12 +254,24 @@ def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, ba
             points.append(point)
             if bar is not None:
                 bar.update()
-        spec, plain = outputs[(c, "spec")], outputs[(c, "target-only")]
-        for p in points[-2:]:
-            p["mismatched_sequences"] = sum(a != b for a, b in zip(spec, plain))
+        compare(points[-2:], outputs[(c, "spec")], outputs[(c, "target-only")])
     return {"workload": workload.name, "label": workload.label, "block_size": workload.block_size,
             "max_new_tokens": workload.params.max_new_tokens, "prompts": len(workload.prompts),
             "meta": workload.meta, "points": points, "figures": figures(points, workload)}
+
+
+def compare(points: list[dict], spec: list[list[int]], plain: list[list[int]]) -> None:
+    """Mark both points of one concurrency with how many sequences differ, and where each first
+    differs (output index and both tokens), so a divergence can be replayed."""
+    first = []
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first.append({"sequence": i, "position": at, "spec": a[at] if at < len(a) else None,
+                          "target_only": b[at] if at < len(b) else None})
+    for p in points:
+        p["mismatched_sequences"] = len(first)
+        p["first_differences"] = first
 
 
 def figures(points: list[dict], workload: Workload) -> dict:
@@ -301,6 +313,11 @@ def report(result: dict) -> None:
                 f"{result['max_new_tokens']} new tokens", rows)
     for name, fig in result["figures"].items():
         print(f"  {name}: {fig['value']:.3f}  (dominant phase: {fig['dominant_phase']})")
+    for p in result["points"]:
+        if p["mode"] == "spec":
+            for d in p.get("first_differences", []):
+                print(f"  C={p['concurrency']}: sequence {d['sequence']} first differs at output token {d['position']} "
+                      f"(speculative {d['spec']}, target-only {d['target_only']})")
 
 
 def _shares_cell(point: dict) -> dict:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from deltaflash.bench.common import machine, write_json
-from deltaflash.bench.e2e import latency_summary, report
+from deltaflash.bench.e2e import compare, latency_summary, report
 from deltaflash.bench.serve import Trace, _stream
 from deltaflash.demo import BUNDLED
 
@@ -40,9 +40,7 @@ def run_server(args) -> int:
                 outputs[(c, mode)] = tokens
                 bar.update()
             if "target-only" in servers:
-                diff = sum(a != b for a, b in zip(outputs[(c, "spec")], outputs[(c, "target-only")]))
-                for p in points[-2:]:
-                    p["mismatched_sequences"] = diff
+                compare(points[-2:], outputs[(c, "spec")], outputs[(c, "target-only")])
     result = {"workload": "demo", "label": f"demo prompts over HTTP ({', '.join(f'{m}: {u}' for m, u in servers.items())})",
               "block_size": args.block_size or 8,  # for the plot's axis only (8: the bundled drafter's W)
               "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "meta": {"servers": servers},

@@ -3,8 +3,9 @@
 Usage: python bench/tune_verify.py [--lanes 1 4 16 64] [--configs 8x1 16x1 16x4 ...]
 
 The dk sums are halving trees, so every tile choice must give the same bits: each config's output
-and replay log are compared with the first config's (chains, and random trees at 4 lanes). Prints
-milliseconds per call and the ratio to the byte roofline (`bench kernels`' GDN bytes).
+and replay log are compared with the first config's (chains, and random trees). Prints
+milliseconds per call of the chain-only kernel (what verify rounds run) and the ratio to the byte
+roofline (`bench kernels`' GDN bytes); the chain-only and general kernels must agree bit for bit.
 """
 
 import argparse
@@ -18,12 +19,12 @@ from deltaflash.bench.kernels import layer_inputs, split_qkv, verify_bytes
 from deltaflash.ops.verify_route import fused_ops
 
 
-def run_with(config, t, conv_out, parents):
+def run_with(config, t, conv_out, parents, chains):
     bv, warps = config
     verify_mod.verify_tiles = lambda dk, dv, programs: (triton.next_power_of_2(dk), bv, warps)
     q, k, v = split_qkv(conv_out, *t["dims"][:4])
     return lambda: verify_mod.gdn_verify(q, k, v, t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"][:, 0],
-                                         t["slot_ids"], parents)
+                                         t["slot_ids"], parents, chains=chains)
 
 
 @torch.inference_mode()
@@ -46,11 +47,13 @@ def main():
         roof = verify_bytes(L, args.width, t["dims"])[1] / (bw * 1e9) * 1e3
         cells, reference = [], None
         for config in configs:
-            outs = [tuple(x.clone() for x in run_with(config, t, conv_out, par)()) for par in (t["parents"], tree_parents)]
+            outs = [tuple(x.clone() for x in run_with(config, t, conv_out, par, chains)())
+                    for par, chains in ((t["parents"], True), (t["parents"], False), (tree_parents, False))]
             if reference is None:
                 reference = outs
             same = all(torch.equal(a, b) for o, r in zip(outs, reference) for a, b in zip(o, r))
-            ms = time_ms(run_with(config, t, conv_out, t["parents"]), 5, 20)
+            same &= all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))  # chain-only kernel == general
+            ms = time_ms(run_with(config, t, conv_out, t["parents"], True), 5, 20)
             cells.append(f"{ms:.3f} {ms / roof:5.1f}x{'' if same else ' DIFF'}")
         print(f"{L:5d}  " + "  ".join(c.rjust(14) for c in cells))
 

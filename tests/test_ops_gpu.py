@@ -240,6 +240,10 @@ def test_fused_route_bitwise_equals_unfused_route(ops, nk, nv, dk, L, S, W, tree
     assert torch.equal(pool, before[0]) and torch.equal(history, before[1]), "verify wrote persistent state"
     for name, x, y in zip(("conv output", "window", "o", "replay log"), fused, unfused):
         assert torch.equal(x, y), f"{name} differs between the fused and the unfused route"
+    if not tree:  # the chain-only kernel the engine runs for its (always chain) verify rounds
+        lean = route(ops.conv_tree_step, lambda *args: ops.gdn_verify(*args, chains=True))
+        for name, x, y in zip(("o", "replay log"), lean[2:], unfused[2:]):
+            assert torch.equal(x, y), f"{name} differs between the chain-only kernel and the unfused route"
     logs = torch.stack([fused[3], fused[3]])  # both pool layers replay the same log
     windows = torch.stack([fused[1], fused[1]])
     for n in range(W + 1):

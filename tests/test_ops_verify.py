@@ -353,12 +353,12 @@ KERNEL_CASES = {  # name: (L, W, nk, nv, dk, dv, tree, dtype)
 }
 
 
-def run_verify_kernel(p, parents):
+def run_verify_kernel(p, parents, chains=False):
     L, W, nk, dk = p["q"].shape
     nv, dv = p["v"].shape[2:]
     o = torch.full((L, W, nv, dv), float("nan"), dtype=p["q"].dtype)
     log = torch.full((L, W, nv, 1 + dk + dv), float("nan"))
-    return gdn_verify(*verify_args(p, parents), out=o, replay_log_out=log)
+    return gdn_verify(*verify_args(p, parents), out=o, replay_log_out=log, chains=chains)
 
 
 @interpreted
@@ -375,6 +375,17 @@ def test_gdn_verify_kernel_matches_ref(case):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(o, o_ref, **tol)
     torch.testing.assert_close(log, log_ref, rtol=1e-5, atol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["W1 dk32", "W5 dk64 chain nk!=nv"])
+def test_gdn_verify_chain_kernel_bitwise_equals_general_kernel(case):
+    """chains=True (tree path compiled out, parents unread) gives the general kernel's bits on chains."""
+    L, W, nk, nv, dk, dv, _, dtype = KERNEL_CASES[case]
+    p = make_gdn(L=L, W=W, nk=nk, nv=nv, dk=dk, dv=dv, dtype=dtype, seed=17)
+    general = run_verify_kernel(p, chain_parents(L, W))
+    lean = run_verify_kernel(p, chain_parents(L, W), chains=True)
+    assert all(torch.equal(a, b) for a, b in zip(general, lean))
 
 
 @interpreted

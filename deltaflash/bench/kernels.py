@@ -37,7 +37,7 @@ def verify_route(ops, t):
     out, window = ops.conv_tree_step(t["qkv"], t["history"][:, 0], t["slot_ids"], t["parents"], t["conv_w"])
     q, k, v = split_qkv(out, nk, nv, dk, dv)
     return ops.gdn_verify(q, k, v, t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"][:, 0], t["slot_ids"],
-                          t["parents"])
+                          t["parents"], chains=True)  # chain drafts: the kernel verify rounds run
 
 
 def fla_route(t, conv_out):
@@ -74,7 +74,8 @@ def run(args) -> dict:
         u_ms = time_ms(lambda: verify_route(unfused, t), 2, 5)
         fla_ms = time_ms(lambda: fla_route(t, conv_out), 5, 20)
         gdn_ms = time_ms(lambda: fused.gdn_verify(*split_qkv(conv_out, *t["dims"][:4]), t["a"], t["b"], t["A_log"],
-                                                  t["dt_bias"], t["state"][:, 0], t["slot_ids"], t["parents"]), 5, 20)
+                                                  t["dt_bias"], t["state"][:, 0], t["slot_ids"], t["parents"],
+                                                  chains=True), 5, 20)
         roof = (conv_b + gdn_b) / (bw * 1e9) * 1e3
         rows.append({"lanes": L, "fused_ms": f_ms, "unfused_ms": u_ms, "unfused/fused": u_ms / f_ms,
                      "fused_gdn_ms": gdn_ms, "fla_gdn_ms": fla_ms, "fla/fused_gdn": fla_ms / gdn_ms,

@@ -39,7 +39,8 @@ def verify_batch(engine) -> VerifyBatch:
     return VerifyBatch(input_ids=torch.randint(0, engine.cfg.vocab_size, (len(seqs), W), device=dev),
                        parents=(chain - 1).expand(len(seqs), W).contiguous(), positions=start[:, None] + chain,
                        slot_ids=torch.tensor([s.slot for s in seqs], device=dev), start=start,
-                       slot_ids_host=tuple(s.slot for s in seqs), start_host=tuple(s.position for s in seqs))
+                       slot_ids_host=tuple(s.slot for s in seqs), start_host=tuple(s.position for s in seqs),
+                       chain_host=True)
 
 
 def round_ms(engine, rounds: int) -> float:

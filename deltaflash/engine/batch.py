@@ -77,6 +77,8 @@ class VerifyBatch:
     input_ids [L, W] long; parents [L, W] long (parents[:, 0] = -1, parents[n] < n; a chain is n-1);
     depth [L, W] long (root 0); positions [L, W] = start + depth; slot_ids [L] long (-1 padding).
     Row n of a lane is stored in the attention cache at start + n (a chain: at its own position).
+    chain_host: the caller knows every lane is a chain (parents n - 1): the GDN verify kernel then
+    compiles its tree path out.
     """
 
     input_ids: torch.Tensor
@@ -86,6 +88,7 @@ class VerifyBatch:
     start: torch.Tensor
     slot_ids_host: tuple[int, ...]
     start_host: tuple[int, ...]
+    chain_host: bool = False
 
     @property
     def num_lanes(self) -> int:

@@ -186,7 +186,7 @@ class Engine:
         batch = VerifyBatch(input_ids=torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=dev),
                             parents=torch.full((len(seqs), 1), -1, dtype=torch.long, device=dev),
                             positions=start[:, None], slot_ids=slot_ids, start=start,
-                            slot_ids_host=slots, start_host=starts)
+                            slot_ids_host=slots, start_host=starts, chain_host=True)
         out = self.decode_graphs.run(batch) if self.decode_graphs else None
         if out is None:
             out = self.model.verify(batch, self.pool, self.verify_ops)

@@ -36,7 +36,7 @@ class VerifyGraphRunner:
             positions=chain.expand(lanes, W).contiguous(),
             slot_ids=torch.full((lanes,), -1, dtype=torch.long, device=dev),
             start=torch.zeros(lanes, dtype=torch.long, device=dev),
-            slot_ids_host=(-1,) * lanes, start_host=(0,) * lanes)
+            slot_ids_host=(-1,) * lanes, start_host=(0,) * lanes, chain_host=True)
 
     def _forward(self, batch: VerifyBatch) -> VerifyOutput:
         return self.model.verify(batch, self.pool, self.verify_ops, self.tap_layer_ids, kmax=self.pool.max_len)
@@ -56,10 +56,11 @@ class VerifyGraphRunner:
         return self._graphs[lanes]
 
     def run(self, batch: VerifyBatch) -> VerifyOutput | None:
-        """Replay the bucket's graph for `batch` (a chain of width W); None when no bucket fits."""
+        """Replay the bucket's graph for `batch` (chains of width W: the graphs run the chain-only
+        kernel); None when no bucket fits or the batch is not known to be chains."""
         L = batch.num_lanes
         bucket = self.bucket(L)
-        if bucket is None or batch.width != self.width:
+        if bucket is None or batch.width != self.width or not batch.chain_host:
             return None
         graph, static, out = self._graphs.get(bucket) or self._capture(bucket)
         static.input_ids[:L].copy_(batch.input_ids)

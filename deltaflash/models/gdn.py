@@ -105,5 +105,5 @@ class GatedDeltaNet(nn.Module):
             qkv, pool.conv_history[:, g_i], batch.slot_ids, batch.parents, self.conv_weight, window_out=window)
         q, k, v = self._split_qkv(conv_out)
         o, _ = verify_ops.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, pool.recurrent_state[:, g_i],
-                                     batch.slot_ids, batch.parents, replay_log_out=replay_log)
+                                     batch.slot_ids, batch.parents, replay_log_out=replay_log, chains=batch.chain_host)
         return self._output(o, z)

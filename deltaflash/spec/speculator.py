@@ -75,7 +75,7 @@ class Speculator:
         batch = VerifyBatch(
             input_ids=torch.cat([anchors[:, None], drafts], dim=1), parents=(chain - 1).expand(L, W).contiguous(),
             positions=start[:, None] + chain, slot_ids=slot_ids, start=start,
-            slot_ids_host=tuple(slots), start_host=tuple(starts))
+            slot_ids_host=tuple(slots), start_host=tuple(starts), chain_host=True)
         out = self.graphs.run(batch) if self.graphs else None
         if out is None:
             out = engine.model.verify(batch, engine.pool, self.verify_ops, self.tap_layer_ids)

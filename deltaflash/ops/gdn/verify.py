@@ -107,11 +107,14 @@ def gdn_verify_kernel(
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, LOG_BK: tl.constexpr,
+    TREES: tl.constexpr,
 ):
     """One program: lane i_l, value head i_h, dv tile i_v; the [BK, BV] state tile lives in registers.
     Node n continues from node n-1's state when parents[n] == n-1 (the chain case, free). Otherwise the
     parent's state is rebuilt from the slot state by replaying the parent's root path from this
     program's own replay-log rows (same update, so bit-identical to the state the chain would have).
+    Without TREES every lane is a chain (the caller's promise; parents are not read) and that tree
+    path is compiled out: it keeps the state's addresses live, about half the registers (ptxas, BV 8).
     Row n + 1's inputs are loaded and prepared while row n updates the state (they do not depend on it)."""
     i_v, i_h, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
@@ -128,9 +131,12 @@ def gdn_verify_kernel(
     m_S0 = tl.expand_dims(m_k, LOG_BK) & m_v & (i_s >= 0)
     b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
 
-    b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-1).to(tl.int32)
-    # a tree lane needs whole k rows in every program's log rows (identical values) to rebuild states
-    is_tree = tl.sum(((b_par != o_w - 1) & (o_w < W)).to(tl.int32)) > 0
+    if TREES:
+        b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-1).to(tl.int32)
+        # a tree lane needs whole k rows in every program's log rows (identical values) to rebuild states
+        is_tree = tl.sum(((b_par != o_w - 1) & (o_w < W)).to(tl.int32)) > 0
+    else:
+        is_tree = False
     b_neg_A = -exact_exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
     p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
@@ -146,7 +152,7 @@ def gdn_verify_kernel(
             stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
             stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
             stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W, LOG_BK)
-        if i_p != n - 1:
+        if TREES and i_p != n - 1:
             tl.debug_barrier()  # this program's log rows of nodes < n are visible to all its threads
             b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
             b_anc = tl.zeros([BW], dtype=tl.int32)  # 1 on the root path of i_p
@@ -191,7 +197,8 @@ def verify_tiles(dk: int, dv: int, programs_per_tile: int):
     return BK, min(BV, triton.next_power_of_2(dv)), 1
 
 
-def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log):
+def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
+                   chains: bool = False):
     """Allocate the outputs (unless given) and launch one program per (dv tile, value head, lane)."""
     L, W, nk, dk = q.shape
     nv, dv = v.shape[2:]
@@ -209,18 +216,19 @@ def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
         *parents.stride(),
         dk ** -0.5,
         HK=nk, HV=nv, K=dk, V=dv, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W), LOG_BK=BK.bit_length() - 1,
-        num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+        TREES=not chains, num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return o, replay_log
 
 
 def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, *,
-               out=None, replay_log_out=None):
+               out=None, replay_log_out=None, chains: bool = False):
     """Fused gdn_verify_ref (same arguments and results). q, k: [L, W, nk, dk]; v: [L, W, nv, dv];
     a, b: [L, W, nv] raw (strided views are fine); A_log, dt_bias: [nv]; recurrent_state [S, nv, dk, dv]
     fp32 (a layer view of the pool, read only); state_slot_ids [L] (-1 padding); parents [L, W].
     out [L, W, nv, dv] (q's dtype) and replay_log_out [L, W, nv, 1+dk+dv] fp32, contiguous, may be
-    given (e.g. one layer of a stacked log). Returns (o, replay_log). No host sync."""
+    given (e.g. one layer of a stacked log). chains: the caller knows every lane's parents are n - 1
+    (then parents are not read, and a leaner kernel runs). Returns (o, replay_log). No host sync."""
     check_verify_shapes(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents)
     L, W, nk, dk = q.shape
     nv, dv = v.shape[2:]
@@ -237,4 +245,4 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, p
                               or t.device != q.device):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
     return gdn_verify_fwd(q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), recurrent_state,
-                          state_slot_ids.contiguous(), parents, out, replay_log_out)
+                          state_slot_ids.contiguous(), parents, out, replay_log_out, chains)

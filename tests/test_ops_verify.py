@@ -132,6 +132,8 @@ def test_verify_ref_chain_matches_sequential(nk, nv, dk, dv):
     L, W = p["q"].shape[:2]
     o, log = gdn_verify_ref(*verify_args(p, chain_parents(L, W)))
     assert o.shape == (L, W, nv, dv) and log.shape == (L, W, nv, 1 + dk + dv)
+    o_c, log_c = gdn_verify_ref(*verify_args(p, chain_parents(L, W)), chains=True)  # the engine's chain hint
+    assert torch.equal(o_c, o) and torch.equal(log_c, log)
     for lane in range(L):
         slot = int(p["slots"][lane])
         s0 = p["pool"][slot, p["layer"]] if slot >= 0 else torch.zeros(nv, dk, dv)

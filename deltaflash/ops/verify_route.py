@@ -28,11 +28,12 @@ class VerifyOps:
 
 def _writing_into(fn: Callable, *out_names: str) -> Callable:
     """A reference op returning a tuple, given the fused op's keyword outputs (`out_names`, one per
-    result): results are copied into the outputs that are given. The fused op's `chains` hint is
-    accepted and not needed (the references follow parents either way)."""
+    result): results are copied into the outputs that are given. Other keywords (the `chains` hint)
+    pass through to the reference."""
 
-    def op(*args, chains: bool = False, **outs):
-        results = fn(*args)
+    def op(*args, **kwargs):
+        outs = {name: kwargs.pop(name, None) for name in out_names}
+        results = fn(*args, **kwargs)
         return tuple(r if outs.get(name) is None else outs[name].copy_(r) for r, name in zip(results, out_names))
 
     return op

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements docs/benchmarks.md records, as named steps, each under a time limit,
+# output appended to OUT/log.txt (JSON / PNG files land in OUT). On the lent H200 (fresh machine,
+# wheels carried in .whl/): run a few steps per device call, e.g.
+#   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
+#   bash bench/gpu_checks.sh "$OUT" round e2e6                # call 2
+# Steps: tests tune kernels round profile demo e2e6 e2e3 e2edemo. LIMIT_<STEP>=seconds overrides a limit.
+# A fresh machine compiles every kernel and captures every CUDA graph on first use (tens of seconds).
+# The device brings back only a few files per call (about eight): e2e steps write three each.
+set -u
+OUT=${1:?usage: bench/gpu_checks.sh OUT STEP...}
+shift
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+if ls .whl/*.whl >/dev/null 2>&1; then  # fla-core (and dflash for the references) are not installed there
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >/dev/null 2>&1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+
+run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds it took
+    local step=$1 limit=$2
+    shift 2
+    local var="LIMIT_${step^^}"
+    limit=${!var:-$limit}
+    echo "=== [$(( $(date +%s) - T0 )) s] $step: $* (limit $limit s)" | tee -a "$LOG"
+    timeout "$limit" "$@" >> "$LOG" 2>&1
+    echo "=== $step: exit $?" | tee -a "$LOG"
+}
+
+for step in "$@"; do
+    case $step in
+        tests) run tests 300 python3 -m pytest -q -x tests/test_ops_gpu.py tests/test_ops_norm.py tests/test_gpu_graphs.py \
+                   tests/test_gpu_target.py ;;
+        tune) run tune 120 python3 bench/tune_verify.py ;;
+        kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
+        round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;
+        profile) run profile 120 python3 bench/profile_round.py 1 16 ;;
+        demo) run demo 180 python3 -m deltaflash demo --device cuda ;;
+        e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
+        e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
+        e2edemo) run e2edemo 300 python3 -m deltaflash bench e2e --workload demo --prompts 16 --reference --out "$OUT/demo" \
+                     --quiet ;;
+        *) echo "unknown step $step" | tee -a "$LOG" ;;
+    esac
+done
+echo "=== done in $(( $(date +%s) - T0 )) s" | tee -a "$LOG"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_ops_verify import random_tree_parents, root_path
+from tests.test_ops_verify import path_plan, random_tree_parents, root_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -129,12 +129,8 @@ def test_replay_commit_tree_paths_bitwise_equal_ref(ops):
     p = make_gdn(L, W, 2, 4, 128, 128, G=2, seed=8)
     parents = tree_parents(L, W, seed=9)
     logs = torch.stack([run_verify(ops, {**p, "layer": g}, parents)[1] for g in range(2)])
-    nodes = torch.zeros(L, W, dtype=torch.long, device=DEV)
-    lens = []
-    for lane in range(L):
-        path = root_path(parents[lane].tolist(), W - 1 - lane)
-        nodes[lane, :len(path)] = torch.tensor(path, device=DEV)
-        lens.append(len(path))
+    nodes, lens = path_plan(parents.cpu(), lambda lane: W - 1 - lane)
+    nodes = nodes.to(DEV)
     pool, pool_ref = p["pool"].clone(), p["pool"].clone()
     ops.replay_commit(pool, logs, p["slots"], nodes, torch.tensor(lens, device=DEV))
     ops.replay_commit_ref(pool_ref, logs, p["slots"], nodes, torch.tensor(lens, device=DEV))
@@ -171,12 +167,8 @@ def test_conv_commit_bitwise_equals_ref(ops):
     parents = tree_parents(L, W, seed=11)
     windows = torch.stack([ops.conv_tree_step(c["rows"], c["history"][:, g], c["slots"], parents, c["weight"])[1]
                            for g in range(2)])
-    nodes = torch.zeros(L, W, dtype=torch.long, device=DEV)
-    lens = []
-    for lane in range(L):
-        path = root_path(parents[lane].tolist(), W - 1 - lane)
-        nodes[lane, :len(path)] = torch.tensor(path, device=DEV)
-        lens.append(len(path))
+    nodes, lens = path_plan(parents.cpu(), lambda lane: W - 1 - lane)
+    nodes = nodes.to(DEV)
     for cut in range(W + 1):
         accepted_len = torch.tensor([min(cut, n) for n in lens], device=DEV)
         hist, hist_ref = c["history"].clone(), c["history"].clone()

@@ -276,27 +276,6 @@ REJECTED = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(REJECTED))
-def test_rejected_commit_changes_nothing(case):
-    p, c = make_gdn(), make_conv()
-    L, W = 3, 5
-    spec = REJECTED[case]
-    slots = torch.tensor(spec.get("slots", [4, -1, 1]))
-    accepted_len = torch.tensor(spec.get("accepted_len", [5, 0, 3]))
-    nodes = chain_parents(L, W) + 1
-    if "nodes_row0" in spec:
-        nodes[0] = torch.tensor(spec["nodes_row0"])
-    logs = torch.stack([gdn_verify_ref(*verify_args({**p, "layer": g}, chain_parents(L, W)))[1] for g in range(3)])
-    windows = torch.stack([conv_tree_step_ref(c["rows"], c["history"][:, g], c["slots"], chain_parents(L, W),
-                                              c["weight"])[1] for g in range(2)])
-    pool, hist = p["pool"].clone(), c["history"].clone()
-    with pytest.raises(CommitRejectedError):
-        replay_commit_ref(pool, logs, slots, nodes, accepted_len)
-    with pytest.raises(CommitRejectedError):
-        conv_commit_ref(hist, windows, slots, nodes, accepted_len)
-    assert torch.equal(pool, p["pool"]) and torch.equal(hist, c["history"])
-
-
 def test_commit_ref_padding_lane_and_zero_accepted_write_nothing():
     p = make_gdn()
     logs = torch.stack([gdn_verify_ref(*verify_args({**p, "layer": g}, chain_parents(3, 5)))[1] for g in range(3)])
@@ -471,9 +450,11 @@ def test_conv_commit_kernel_equals_ref_on_tree_paths():
         assert torch.equal(hist, hist_ref)
 
 
-@interpreted
+@pytest.mark.parametrize("route", ["reference", pytest.param("kernel", marks=interpreted)])
 @pytest.mark.parametrize("case", sorted(REJECTED))
-def test_rejected_kernel_commit_changes_nothing(case):
+def test_rejected_commit_changes_nothing(case, route):
+    """Every malformed plan raises before either commit (recurrent state, conv history) writes anything."""
+    replay, conv = (replay_commit_ref, conv_commit_ref) if route == "reference" else (replay_commit, conv_commit)
     p, c = make_gdn(), make_conv()
     L, W = 3, 5
     spec = REJECTED[case]
@@ -482,11 +463,12 @@ def test_rejected_kernel_commit_changes_nothing(case):
     nodes = chain_parents(L, W) + 1
     if "nodes_row0" in spec:
         nodes[0] = torch.tensor(spec["nodes_row0"])
-    logs = torch.randn(3, L, W, 4, 1 + 32 + 16)
-    windows = torch.randn(2, L, 24, K_CONV - 1 + W)
+    logs = torch.stack([gdn_verify_ref(*verify_args({**p, "layer": g}, chain_parents(L, W)))[1] for g in range(3)])
+    windows = torch.stack([conv_tree_step_ref(c["rows"], c["history"][:, g], c["slots"], chain_parents(L, W),
+                                              c["weight"])[1] for g in range(2)])
     pool, hist = p["pool"].clone(), c["history"].clone()
     with pytest.raises(CommitRejectedError):
-        replay_commit(pool, logs, slots, nodes, accepted_len)
+        replay(pool, logs, slots, nodes, accepted_len)
     with pytest.raises(CommitRejectedError):
-        conv_commit(hist, windows, slots, nodes, accepted_len)
+        conv(hist, windows, slots, nodes, accepted_len)
     assert torch.equal(pool, p["pool"]) and torch.equal(hist, c["history"])

@@ -6,6 +6,7 @@ runs (the kernels run on CPU only under TRITON_INTERPRET=1, in their tests).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -57,7 +58,9 @@ def fused_ops() -> VerifyOps:
                      partial(conv_commit, validate=False))
 
 
+@functools.cache
 def fused_disabled() -> bool:
+    """DELTAFLASH_NO_FUSED_KERNELS, read once per process (norms ask on every call)."""
     return os.environ.get("DELTAFLASH_NO_FUSED_KERNELS", "0") not in ("", "0")
 
 

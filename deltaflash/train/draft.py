@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from deltaflash.models.dflash import RMSNorm  # Qwen3's plain `w * x / rms(x)`, normalised in fp32
 from deltaflash.train.corpus import heldout_windows, packed_batches
 from deltaflash.train.loop import LoopOptions, LoopResult, Metric, autocast, run_loop
 from deltaflash.train.shapes import DrafterShape
@@ -40,20 +41,6 @@ def default_gamma(block_size: int) -> float:
 # ----------------------------------------------------------------------------------------------
 # Module
 # ----------------------------------------------------------------------------------------------
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: `w * x / rms(x)`, normalised in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, 1, L, head_dim] fp32 for integer `positions` [N, L] (full-width RoPE)."""

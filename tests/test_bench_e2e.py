@@ -117,7 +117,7 @@ def test_server_mode_drives_live_servers(tmp_path):
         assert p["requests"] == 3 and 0 < p["output_tokens"] <= 3 * 16
         assert p["mismatched_sequences"] == 0
         assert p["seq_decode_tokens_per_s_mean"] > 0 and p["ttft_p50_ms"] > 0
-    assert points[1, "spec"]["mean_accepted_length"] >= 1.0 and points[1, "spec"]["rounds"] > 0
+    assert points[1, "spec"]["mean_accepted_length"] > 1.0 and points[1, "spec"]["rounds"] > 0  # drafts accepted
     assert points[1, "target-only"]["mean_accepted_length"] is None
     assert (tmp_path / "e2e-demo-server-tokens-per-s.png").is_file()
 

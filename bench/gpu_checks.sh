@@ -3,9 +3,12 @@
 # output appended to OUT/log.txt (JSON / PNG files land in OUT). On the lent H200 (fresh machine,
 # wheels carried in .whl/): run a few steps per device call, e.g.
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
-#   bash bench/gpu_checks.sh "$OUT" round e2e6                # call 2
-# Steps: tests tune kernels round profile demo e2e6 e2e3 e2edemo. LIMIT_<STEP>=seconds overrides a limit.
-# A fresh machine compiles every kernel and captures every CUDA graph on first use (tens of seconds).
+#   bash bench/gpu_checks.sh "$OUT" target                    # call 2
+#   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
+# Steps: tests target tune kernels round profile demo e2e6 e2e3 e2edemo. LIMIT_<STEP>=seconds overrides a
+# limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# A fresh machine compiles every kernel and captures every CUDA graph on first use: the kernel and graph
+# tests take about 170 s there, the target tests (transformers on fla-core's autotuned kernels) over 200 s.
 # The device brings back only a few files per call (about eight): e2e steps write three each.
 set -u
 OUT=${1:?usage: bench/gpu_checks.sh OUT STEP...}
@@ -32,8 +35,9 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
 
 for step in "$@"; do
     case $step in
-        tests) run tests 300 python3 -m pytest -q -x tests/test_ops_gpu.py tests/test_ops_norm.py tests/test_gpu_graphs.py \
-                   tests/test_gpu_target.py ;;
+        tests) run tests 300 python3 -m pytest -q -x ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
+                   tests/test_gpu_graphs.py} ;;
+        target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
         tune) run tune 120 python3 bench/tune_verify.py ;;
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;

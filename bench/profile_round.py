@@ -22,8 +22,9 @@ from deltaflash.models.random_init import qwen35_9b_config, random_model
 GROUPS = (
     (r"gdn_verify", "GDN verify (Triton)"),
     (r"conv_tree", "conv tree step (Triton)"),
+    (r"rms_norm", "RMS norms (Triton)"),
+    (r"fmha|attention|flash|softmax", "attention"),  # before GEMM: SDPA's kernels are cutlass too
     (r"gemm|gemv|cutlass|sm90|nvjet|splitK|ampere|xmma", "GEMM"),
-    (r"fmha|attention|flash|softmax", "attention"),
     (r"index|gather|scatter|Indexing|put_", "index / gather / scatter"),
     (r"reduce|mean|sum", "reductions (norms)"),
     (r"copy|cat|Cat", "copies / cat"),

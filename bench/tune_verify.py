@@ -3,9 +3,10 @@
 Usage: python bench/tune_verify.py [--lanes 1 4 16 64] [--configs 8x1 16x1 16x4 ...]
 
 The dk sums are halving trees, so every tile choice must give the same bits: each config's output
-and replay log are compared with the first config's (chains, and random trees). Prints
-milliseconds per call of the chain-only kernel (what verify rounds run) and the ratio to the byte
-roofline (`bench kernels`' GDN bytes); the chain-only and general kernels must agree bit for bit.
+and replay log are compared with the first config's (chains, and random trees). Prints device
+milliseconds per call (CUDA-graph replay) of the chain-only kernel (what verify rounds run) and the
+ratio to the byte roofline (`bench kernels`' GDN bytes); the chain-only and general kernels must agree
+bit for bit.
 """
 
 import argparse
@@ -14,7 +15,7 @@ import torch
 import triton
 
 import deltaflash.ops.gdn.verify as verify_mod
-from deltaflash.bench.common import copy_bandwidth_gbs, time_ms
+from deltaflash.bench.common import copy_bandwidth_gbs, graph_ms
 from deltaflash.bench.kernels import layer_inputs, split_qkv, verify_bytes
 from deltaflash.ops.verify_route import fused_ops
 
@@ -53,7 +54,7 @@ def main():
                 reference = outs
             same = all(torch.equal(a, b) for o, r in zip(outs, reference) for a, b in zip(o, r))
             same &= all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))  # chain-only kernel == general
-            ms = time_ms(run_with(config, t, conv_out, t["parents"], True), 5, 20)
+            ms = graph_ms(run_with(config, t, conv_out, t["parents"], True))
             cells.append(f"{ms:.3f} {ms / roof:5.1f}x{'' if same else ' DIFF'}")
         print(f"{L:5d}  " + "  ".join(c.rjust(14) for c in cells))
 

@@ -59,3 +59,12 @@ def test_bad_input_is_a_clear_error(folder, tmp_path):
     assert proc.returncode == 2 and "temperature" in proc.stderr
     proc = run_cli("generate", "--model", str(folder), "--prompt-ids", "99999", "--device", "cpu")
     assert proc.returncode == 2 and "99999" in proc.stderr
+
+
+def test_a_benchmark_returning_its_result_exits_zero(monkeypatch):
+    """Benchmarks return their result dict (for callers and JSON); the command's exit status is still 0."""
+    from deltaflash import cli
+    from deltaflash.bench import kernels
+
+    monkeypatch.setattr(kernels, "run", lambda args: {"lanes": args.lanes})
+    assert cli.main(["bench", "kernels", "--lanes", "2"]) == 0

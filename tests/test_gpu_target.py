@@ -61,13 +61,17 @@ def test_cuda_bf16_batched_decode_equals_solo(tmp_path):
 
 
 def test_model_logits_close_in_bf16(tmp_path):
+    """bf16 logits are as close to fp32 as transformers' own bf16 model is (random tiny weights put both
+    near 4% relative error; on CPU ours 3.81%, transformers 3.85%)."""
     hf = build_hf_model("dense_gqa", seed=5)
     folder = save_checkpoint(hf, tmp_path / "b")
     model = load_model(folder, device="cuda", progress=False)  # bf16 default on CUDA
     prompt = torch.randint(0, 96, (1, 90), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = hf.float()(prompt).logits[0]
+    with torch.no_grad():  # on CUDA: with fla-core installed, transformers' GDN layers run its Triton kernels
+        ref = hf.float().cuda()(prompt.cuda()).logits[0].cpu()
+        hf_bf16 = hf.to(torch.bfloat16)(prompt.cuda()).logits[0].float().cpu()
     pool = SlotPool(model.cfg, 1, 128, torch.bfloat16, "cuda")
     out, _ = model.extend(ExtendBatch.build([(pool.admit(), 0, prompt[0].tolist())], "cuda"), pool, all_logits=True)
-    err = (out[0].cpu() - ref).norm() / ref.norm()
-    assert err < 3e-2
+    err = (out[0].float().cpu() - ref).norm() / ref.norm()
+    hf_err = (hf_bf16 - ref).norm() / ref.norm()
+    assert err < 1.25 * hf_err and err < 0.06, (err, hf_err)

@@ -34,6 +34,23 @@ def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, reps: int = 20, trials: int = 5) -> float:
+    """Device milliseconds per fn() (CUDA): `reps` calls captured in one CUDA graph, median of `trials`
+    replays. No host launch cost is counted, as in the engine's graph-replayed rounds; fn must not
+    sync with the host."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile / autotune outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    return time_ms(graph.replay, warmup=1, iters=trials) / reps
+
+
 def copy_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()

@@ -65,33 +65,42 @@ def halving_sum(x, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def row_inputs(q, k, v, a, b, parents, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v, b_neg_A, b_dt, scale,
-               stride_q_l, stride_q_w, stride_q_h, stride_q_d,
-               stride_k_l, stride_k_w, stride_k_h, stride_k_d,
-               stride_v_l, stride_v_w, stride_v_h, stride_v_d,
-               stride_a_l, stride_a_w, stride_a_h,
-               stride_b_l, stride_b_w, stride_b_h,
-               stride_p_l, stride_p_w,
-               W: tl.constexpr, LOG_BK: tl.constexpr):
-    """Everything row n needs that does not depend on the state: its parent, normalised q (scaled)
-    and k, v, gamma and beta. Rows n >= W load zeros (the prefetch past the last row)."""
+def row_loads(q, k, v, a, b, parents, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
+              stride_q_l, stride_q_w, stride_q_h, stride_q_d,
+              stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+              stride_v_l, stride_v_w, stride_v_h, stride_v_d,
+              stride_a_l, stride_a_w, stride_a_h,
+              stride_b_l, stride_b_w, stride_b_h,
+              stride_p_l, stride_p_w,
+              W: tl.constexpr):
+    """Row n's raw inputs, as loaded: parent, q, k, v, a, b. Rows n >= W load zeros (the prefetch past
+    the last row). Nothing here uses the loaded values, so the loads are in flight while the previous
+    row updates the state."""
     live = n < W
     i_p = tl.load(parents + i_l * stride_p_l + n * stride_p_w, mask=live, other=0).to(tl.int32)
-    # gates: g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)
-    b_x = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0).to(tl.float32)
-    b_x = b_x + b_dt
-    b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
-    b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0).to(tl.float32)
-    b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b))
+    b_a = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0)
+    b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0)
     b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
-                  mask=m_k & live, other=0.0).to(tl.float32)
+                  mask=m_k & live, other=0.0)
     b_k = tl.load(k + i_l * stride_k_l + n * stride_k_w + i_hk * stride_k_h + o_k * stride_k_d,
-                  mask=m_k & live, other=0.0).to(tl.float32)
+                  mask=m_k & live, other=0.0)
     b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
-                  mask=m_v & live, other=0.0).to(tl.float32)
+                  mask=m_v & live, other=0.0)
+    return i_p, b_q, b_k, b_v, b_a, b_b
+
+
+@triton.jit
+def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, LOG_BK: tl.constexpr):
+    """Normalised q (scaled) and k, v, gamma and beta of a row from its raw loads (fp32):
+    g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)."""
+    b_x = b_a.to(tl.float32) + b_dt
+    b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
+    b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b.to(tl.float32)))
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
     b_q = b_q * exact_rsqrt(halving_sum(b_q * b_q, LOG_BK) + 1e-6) * scale
     b_k = b_k * exact_rsqrt(halving_sum(b_k * b_k, LOG_BK) + 1e-6)
-    return i_p, b_q, b_k, b_v, b_gamma, b_beta
+    return b_q, b_k, b_v.to(tl.float32), b_gamma, b_beta
 
 
 @triton.jit
@@ -115,7 +124,8 @@ def gdn_verify_kernel(
     program's own replay-log rows (same update, so bit-identical to the state the chain would have).
     Without TREES every lane is a chain (the caller's promise; parents are not read) and that tree
     path is compiled out: it keeps the state's addresses live, about half the registers (ptxas, BV 8).
-    Row n + 1's inputs are loaded and prepared while row n updates the state (they do not depend on it)."""
+    Row n + 1's raw inputs are loaded before row n updates the state and prepared (norms, gates) after,
+    so the loads are in flight during the update."""
     i_v, i_h, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
     i_hk = i_h // (HV // HK)
@@ -141,17 +151,18 @@ def gdn_verify_kernel(
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
     p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
 
-    i_p, b_q, b_k, b_v, b_gamma, b_beta = row_inputs(
-        q, k, v, a, b, parents, i_l, i_h, i_hk, 0, o_k, o_v, m_k, m_v, b_neg_A, b_dt, scale,
+    i_p, r_q, r_k, r_v, r_a, r_b = row_loads(
+        q, k, v, a, b, parents, i_l, i_h, i_hk, 0, o_k, o_v, m_k, m_v,
         stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
         stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-        stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W, LOG_BK)
+        stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W)
     for n in range(0, W):
-        n_p, n_q, n_k, n_v, n_gamma, n_beta = row_inputs(
-            q, k, v, a, b, parents, i_l, i_h, i_hk, n + 1, o_k, o_v, m_k, m_v, b_neg_A, b_dt, scale,
+        n_p, n_q, n_k, n_v, n_a, n_b = row_loads(
+            q, k, v, a, b, parents, i_l, i_h, i_hk, n + 1, o_k, o_v, m_k, m_v,
             stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
             stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-            stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W, LOG_BK)
+            stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W)
+        b_q, b_k, b_v, b_gamma, b_beta = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt, scale, LOG_BK)
         if TREES and i_p != n - 1:
             tl.debug_barrier()  # this program's log rows of nodes < n are visible to all its threads
             b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
@@ -182,18 +193,25 @@ def gdn_verify_kernel(
             tl.store(p_n, b_gamma)
             tl.store(p_n + 1 + o_k, b_k, mask=m_k)
         tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v)
-        i_p, b_q, b_k, b_v, b_gamma, b_beta = n_p, n_q, n_k, n_v, n_gamma, n_beta
+        i_p, r_q, r_k, r_v, r_a, r_b = n_p, n_q, n_k, n_v, n_a, n_b
 
 
 def verify_tiles(dk: int, dv: int, programs_per_tile: int):
     """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. Sums over
     dk are halving trees (naive.halving_sum), so results do not depend on this choice (the tuning
-    script checks it bit for bit). One warp keeps every dk sum inside the warp (no shared-memory
-    round trips). Measured on the H200 at the 9B shape (`bench/tune_verify.py`, 2026-11-29): BV 16 is
-    fastest from 4 lanes up (0.17 / 0.30 / 0.80 ms at 4 / 16 / 64 lanes, vs 0.25 / 0.56 / 1.70 ms
-    for BV 16 with 4 warps); at one lane BV 8 (0.095 ms), whose twice as many programs fill more SMs."""
+    script checks it bit for bit). Device time of the chain-only kernel on the H200 at the 9B shape
+    (`bench/tune_verify.py`, 2026-11-29), ms at 1 / 4 / 16 / 64 lanes:
+        BV 8, 1 warp   0.043 / 0.060 / 0.229 / 0.813
+        BV 16, 1 warp  0.045 / 0.053 / 0.173 / 0.642
+        BV 32, 1 warp  0.069 / 0.069 / 0.141 / 0.549
+        BV 16, 4 warps 0.031 / 0.101 / 0.387 / 1.490
+    With the SMs full, one warp keeps every dk sum inside the warp, and wider tiles share each row's
+    loads, norms and gates over more columns. With too few programs to fill them (one lane), 4 warps
+    per program shorten each program's row chain."""
     BK = triton.next_power_of_2(dk)
-    BV = 16 if triton.cdiv(dv, 16) * programs_per_tile >= 1024 else 8
+    if programs_per_tile < 64:
+        return BK, min(16, triton.next_power_of_2(dv)), 4
+    BV = 32 if programs_per_tile >= 512 else 16 if programs_per_tile >= 128 else 8
     return BK, min(BV, triton.next_power_of_2(dv)), 1
 
 

@@ -142,3 +142,32 @@ def test_extend_batch_packs_live_rows_once():
     assert batch.live_lanes.tolist() == [0, 1] and batch.live_lanes_host == [0, 1]
     assert batch.packed_rows.tolist() == [0, 1, 2, 3]  # T = 3: lane 0 rows 0..2, lane 1 row 0
     assert batch.cu_seqlens.tolist() == batch.cu_seqlens_host.tolist() == [0, 3, 4]
+
+
+def test_input_projections_run_as_one_gemm_over_the_loaded_weights(dense_folder):
+    """After loading, each layer's input projections are row views of one merged matrix (no second
+    copy; checkpoint names unchanged) and the merged GEMM gives each part's own output."""
+    from deltaflash.models.layers import MergedProjections
+
+    model = load_model(dense_folder, device="cpu", dtype=torch.float32, progress=False)
+    merged = [m for m in model.modules() if isinstance(m, MergedProjections)]
+    kinds = {type(m).__name__ for m in merged}
+    assert kinds == {"GatedDeltaNet", "GatedAttention", "SwiGLU"}, kinds
+    x = torch.randn(2, 3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for module in merged:
+        storage = module.merged_weight.untyped_storage().data_ptr()
+        outputs = module.project(x)
+        for name, out in zip(module.PROJECTIONS, outputs, strict=True):
+            part = getattr(module, name)
+            assert part.weight.untyped_storage().data_ptr() == storage, name
+            torch.testing.assert_close(out, part(x), rtol=1e-5, atol=1e-6)
+    names = set(model.state_dict())
+    assert {"layers.0.linear_attn.in_proj_a.weight", "layers.3.self_attn.q_proj.weight",
+            "layers.0.mlp.up_proj.weight"} <= names and not any("merged" in n for n in names)
+
+
+def test_unmerged_projections_are_a_clear_error():
+    from deltaflash.models.layers import SwiGLU
+
+    with pytest.raises(RuntimeError, match="merge_projections"):
+        SwiGLU(8, 16)(torch.randn(2, 8))

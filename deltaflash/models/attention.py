@@ -7,10 +7,12 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.models.layers import ZeroCenteredRMSNorm, apply_rope, masked_attention
+from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm, apply_rope, masked_attention
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(MergedProjections):
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: ModelConfig, attn_index: int):
         super().__init__()
         self.attn_index = attn_index  # index into the pool's attention layer dim
@@ -30,10 +32,11 @@ class GatedAttention(nn.Module):
         for rows that must not land anywhere). No host syncs: CUDA-graph safe. Returns [L, T, H]."""
         L, T, _ = x.shape
         a_i = self.attn_index
-        q, gate = self.q_proj(x).unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
+        q, k, v = self.project(x)
+        q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), *rope)
-        k = apply_rope(self.k_norm(self.k_proj(x).unflatten(-1, (self.nkv, self.hd))), *rope)
-        v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd))), *rope)
+        v = v.unflatten(-1, (self.nkv, self.hd))
 
         pos = store_index.clamp(max=pool.max_len - 1)
         pool.key_cache[write_slots, a_i, pos] = k.to(pool.key_cache.dtype)

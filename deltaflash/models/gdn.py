@@ -8,7 +8,7 @@ from torch import nn
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
 from deltaflash.engine.batch import ExtendBatch, VerifyBatch
-from deltaflash.models.layers import GatedRMSNorm
+from deltaflash.models.layers import GatedRMSNorm, MergedProjections
 from deltaflash.ops.conv.extend import causal_conv_extend
 from deltaflash.ops.gdn.chunk import (
     chunk_gated_delta_rule_varlen,
@@ -18,7 +18,9 @@ from deltaflash.ops.gdn.chunk import (
 )
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(MergedProjections):
+    PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
     def __init__(self, cfg: ModelConfig, gdn_index: int):
         super().__init__()
         self.gdn_index = gdn_index  # index into the pool's GDN layer dim
@@ -67,8 +69,7 @@ class GatedDeltaNet(nn.Module):
         g_i = self.gdn_index
         lane_idx = batch.live_lanes
         slot_idx = batch.slot_ids[lane_idx]
-        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self.project(x)  # column views of one GEMM output
 
         history = torch.zeros(L, *pool.conv_history.shape[2:], dtype=pool.conv_history.dtype, device=x.device)
         history[lane_idx] = pool.conv_history[slot_idx, g_i]
@@ -99,8 +100,7 @@ class GatedDeltaNet(nn.Module):
         [L, C, K-1+W] (x's dtype) and replay log [L, W, nv, 1+dk+dv] (fp32) are written into the
         given contiguous tensors (one layer of the round's stacked outputs)."""
         g_i = self.gdn_index
-        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self.project(x)  # column views of one GEMM output
         conv_out, _ = verify_ops.conv_tree_step(
             qkv, pool.conv_history[:, g_i], batch.slot_ids, batch.parents, self.conv_weight, window_out=window)
         q, k, v = self._split_qkv(conv_out)

@@ -21,6 +21,46 @@ def _norm_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not fused_disabled()
 
 
+class MergedProjections(nn.Module):
+    """Base of a module whose input projections (the nn.Linear children named in PROJECTIONS, all of
+    the same input) run as one GEMM: one launch instead of several, and the small ones (GDN's a and b
+    are nv rows each) stop costing a launch and a split-K reduction of their own.
+
+    `merge_projections()`, called once after the weights are loaded, moves the parts' weights (and
+    biases) into one row-concatenated matrix and makes each part's parameter a view of its rows: no
+    second copy, and checkpoint names, state_dict and loading stay those of the parts."""
+
+    PROJECTIONS: tuple[str, ...] = ()
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("merged_weight", None, persistent=False)
+        self.register_buffer("merged_bias", None, persistent=False)
+        self.merged_sizes: list[int] = []
+
+    @torch.no_grad()
+    def merge_projections(self) -> None:
+        parts = [getattr(self, name) for name in self.PROJECTIONS]
+        biased = {p.bias is not None for p in parts}
+        if len(biased) > 1:
+            raise ValueError(f"{type(self).__name__}: {self.PROJECTIONS} mix biased and unbiased projections")
+        self.merged_sizes = [p.out_features for p in parts]
+        self.merged_weight = torch.cat([p.weight for p in parts])
+        for p, rows in zip(parts, self.merged_weight.split(self.merged_sizes)):
+            p.weight = nn.Parameter(rows, requires_grad=False)
+        if biased == {True}:
+            self.merged_bias = torch.cat([p.bias for p in parts])
+            for p, rows in zip(parts, self.merged_bias.split(self.merged_sizes)):
+                p.bias = nn.Parameter(rows, requires_grad=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> the parts' outputs in PROJECTIONS order (column views of one GEMM's output)."""
+        if self.merged_weight is None:
+            raise RuntimeError(f"{type(self).__name__}: projections not merged; call merge_projections() "
+                               "once the weights are loaded")
+        return F.linear(x, self.merged_weight, self.merged_bias).split(self.merged_sizes, dim=-1)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """fp32 `x * rsqrt(mean(x^2) + eps) * (1 + w)`, cast back to x's dtype."""
 
@@ -49,7 +89,9 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm_ref(o, z, self.weight, self.eps)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(MergedProjections):
+    PROJECTIONS = ("gate_proj", "up_proj")
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -57,7 +99,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):

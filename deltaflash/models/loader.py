@@ -105,4 +105,5 @@ def load_model(folder: str | Path, dtype: torch.dtype | None = None, device=None
                 f"{keys.get(key, folder)}: tensor {key!r} has shape {tuple(state[name].shape)}, "
                 f"expected {shape} from config.json")
     model.load_state_dict(state, assign=True, strict=True)
-    return model.eval()
+    del state, loaded  # the merge then frees each part's tensor as it re-homes it: no second copy at peak
+    return model.merge_projections().eval()

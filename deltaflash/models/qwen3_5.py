@@ -16,7 +16,7 @@ from deltaflash.config import ModelConfig
 from deltaflash.engine.batch import ExtendBatch, VerifyBatch, VerifyOutput
 from deltaflash.models.attention import GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
-from deltaflash.models.layers import SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
+from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
 
 
 class DecoderLayer(nn.Module):
@@ -47,6 +47,13 @@ class Qwen35Model(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def merge_projections(self) -> Qwen35Model:
+        """Each layer's input projections as one GEMM (layers.MergedProjections); once, after loading."""
+        for module in self.modules():
+            if isinstance(module, MergedProjections):
+                module.merge_projections()
+        return self
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -45,7 +45,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0, co
         if not cfg.tie_word_embeddings:
             state["lm_head.weight"] = embed / COPY_EMBED_RMS
     model.load_state_dict(state, assign=True, strict=True)
-    return model.eval()
+    del state  # the merge frees each part's tensor as it re-homes it
+    return model.merge_projections().eval()
 
 
 def qwen35_9b_config(num_layers: int = 32) -> ModelConfig:

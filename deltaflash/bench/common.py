@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from deltaflash.engine.graphs import capture
+
 
 def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
@@ -38,15 +40,7 @@ def graph_ms(fn, reps: int = 20, trials: int = 5) -> float:
     """Device milliseconds per fn() (CUDA): `reps` calls captured in one CUDA graph, median of `trials`
     replays. No host launch cost is counted, as in the engine's graph-replayed rounds; fn must not
     sync with the host."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile / autotune outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph, _ = capture(lambda: [fn() for _ in range(reps)], warmups=1)
     graph.replay()
     return time_ms(graph.replay, warmup=1, iters=trials) / reps
 

@@ -16,6 +16,21 @@ from deltaflash.engine.batch import VerifyBatch, VerifyOutput
 LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, fn's output): fn run `warmups` times on a side stream (Triton compiles, cuBLAS picks
+    its kernels, outside the capture), then captured once into `pool`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class VerifyGraphRunner:
     def __init__(self, model, pool, verify_ops, width: int, tap_layer_ids=(), buckets=LANE_BUCKETS):
         self.model, self.pool, self.verify_ops = model, pool, verify_ops
@@ -43,15 +58,7 @@ class VerifyGraphRunner:
 
     def _capture(self, lanes: int):
         static = self._static_batch(lanes)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (Triton compiles, cuBLAS picks kernels) outside capture
-            for _ in range(2):
-                self._forward(static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            out = self._forward(static)
+        graph, out = capture(lambda: self._forward(static), self.memory_pool)
         self._graphs[lanes] = (graph, static, out)
         return self._graphs[lanes]
 
@@ -92,15 +99,7 @@ class LaneGraphs:
     def _capture(self, bucket: int, inputs: tuple):
         static = tuple(torch.full((bucket, *x.shape[1:]), pad, dtype=x.dtype, device=x.device)
                        for x, pad in zip(inputs, self.pad_values))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up on padding lanes (Triton compiles, cuBLAS picks kernels)
-            for _ in range(2):
-                self.fn(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            out = self.fn(*static)
+        graph, out = capture(lambda: self.fn(*static), self.memory_pool)  # warmed up on padding lanes
         self._graphs[bucket] = (graph, static, out if isinstance(out, tuple) else (out,))
         return self._graphs[bucket]
 

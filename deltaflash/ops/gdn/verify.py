@@ -208,11 +208,11 @@ def verify_tiles(dk: int, dv: int, programs_per_tile: int):
     With the SMs full, one warp keeps every dk sum inside the warp, and wider tiles share each row's
     loads, norms and gates over more columns. With too few programs to fill them (one lane), 4 warps
     per program shorten each program's row chain."""
-    BK = triton.next_power_of_2(dk)
     if programs_per_tile < 64:
-        return BK, min(16, triton.next_power_of_2(dv)), 4
-    BV = 32 if programs_per_tile >= 512 else 16 if programs_per_tile >= 128 else 8
-    return BK, min(BV, triton.next_power_of_2(dv)), 1
+        BV, num_warps = 16, 4
+    else:
+        BV, num_warps = (32 if programs_per_tile >= 512 else 16 if programs_per_tile >= 128 else 8), 1
+    return triton.next_power_of_2(dk), min(BV, triton.next_power_of_2(dv)), num_warps
 
 
 def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,

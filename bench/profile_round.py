@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from deltaflash.bench.common import time_ms
-from deltaflash.bench.round import decoding_engine, verify_batch
+from deltaflash.bench.round import decoding_engine, verify_inputs
 from deltaflash.models.random_init import qwen35_9b_config, random_model
 
 # kernel name pattern -> group (first match wins)
@@ -66,12 +66,11 @@ def main():
     model = random_model(qwen35_9b_config(args.layers), torch.bfloat16, args.device)
     for lanes in args.lanes:
         engine = decoding_engine(model, lanes, args.width, 256, 1024)
-        spec = engine.speculator
-        batch = verify_batch(engine)
-        eager = lambda: model.verify(batch, engine.pool, spec.verify_ops, spec.tap_layer_ids,  # noqa: E731
-                                     kmax=engine.pool.max_len)
+        runner = engine.runner
+        inputs = verify_inputs(engine)
+        eager = lambda: runner._verify_rows(*inputs[:3])  # noqa: E731  (the graphs' forward, run eagerly)
         eager_ms = time_ms(eager, 2, 5)
-        graph_ms = time_ms(lambda: spec.graphs.run(batch), 2, 10) if spec.graphs else float("nan")
+        graph_ms = time_ms(lambda: runner.verify(*inputs), 2, 10) if runner.graphs else float("nan")
         profile_forward(eager)  # profiler warm-up
         count, kernel_ms, groups, top = profile_forward(eager)
         print(f"\n=== lanes {lanes}, width {args.width}: graph replay {graph_ms:.2f} ms, eager {eager_ms:.2f} ms, "

@@ -17,7 +17,7 @@ import triton
 import deltaflash.ops.gdn.verify as verify_mod
 from deltaflash.bench.common import copy_bandwidth_gbs, graph_ms
 from deltaflash.bench.kernels import layer_inputs, split_qkv, verify_bytes
-from deltaflash.ops.verify_route import fused_ops
+from deltaflash.ops.kernels import triton_kernels
 
 
 def run_with(config, t, conv_out, parents, chains):
@@ -37,7 +37,7 @@ def main():
     args = p.parse_args()
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     bw = copy_bandwidth_gbs("cuda")
-    fused = fused_ops()
+    fused = triton_kernels()
     print("lanes  " + "  ".join(f"{b}x{w}".rjust(14) for b, w in configs) + "   (ms, x roofline; BVxwarps)")
     for L in args.lanes:
         t = layer_inputs(L, args.width, slots=max(2 * L, 8))

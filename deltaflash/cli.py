@@ -5,30 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from deltaflash.demo import BUNDLED
+from deltaflash.engine.args import add_engine_args, engine_from_args
 from deltaflash.errors import DeltaflashError
-
-
-def _default_model(args) -> None:
-    """Use the bundled demo pair when no --model is given."""
-    if args.model is None:
-        args.model = str(BUNDLED / "target")
-        if getattr(args, "draft", None) is None and (BUNDLED / "draft").is_dir():
-            args.draft = str(BUNDLED / "draft")
-    if not Path(args.model, "config.json").is_file():
-        raise DeltaflashError(f"--model {args.model}: no config.json there (give a Hugging Face checkpoint folder)")
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face checkpoint folder of the target (default: the bundled demo pair)")
-    p.add_argument("--draft", help="DFlash / DFlash2 drafter folder (enables speculative decoding)")
-    p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=4096)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,24 +19,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def build_engine(args, max_slots: int = 1, progress: bool = True, **config):
-    """The engine the model flags (`_engine_args`) describe; `config`: more EngineConfig fields."""
-    import torch
-
-    from deltaflash.engine.engine import Engine
-
-    _default_model(args)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
-                                  max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
-                                  **config)
-
-
 def cmd_generate(args) -> int:
-    from deltaflash.engine.request import SamplingParams
+    from deltaflash.core.request import SamplingParams
     from deltaflash.tokenizer import encode_chat, encode_prompt
 
-    engine = build_engine(args, progress=not args.json)
+    engine = engine_from_args(args, progress=not args.json)
     tok = engine.tokenizer
     if args.prompt_ids is not None:
         prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -76,9 +42,9 @@ def cmd_generate(args) -> int:
         "elapsed_s": round(elapsed, 4),
         "tokens_per_second": round(len(done.token_ids) / elapsed, 2) if elapsed > 0 else None,
     }
-    if engine.speculator:
+    if engine.config.speculative:
         acc = done.accepted_lengths
-        stats.update(block_size=engine.speculator.block_size, accepted_lengths=acc,
+        stats.update(block_size=engine.config.block_size, accepted_lengths=acc,
                      mean_accepted_length=round(sum(acc) / len(acc), 3) if acc else None)
     if args.json:
         print(json.dumps({"token_ids": done.token_ids, "text": text, "stats": stats}))
@@ -93,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate for one prompt")
-    _engine_args(gen)
+    add_engine_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text (tokenized as /v1/completions does)")
     src.add_argument("--prompt-ids", help="comma-separated token ids (no tokenizer needed)")

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deltaflash.bundled import BUNDLED
 from deltaflash.errors import DeltaflashError
-
-BUNDLED = Path(__file__).parent / "assets" / "demo"
 
 
 def run(args) -> int:
     import torch
 
+    from deltaflash.core.request import SamplingParams
     from deltaflash.engine.engine import Engine
-    from deltaflash.engine.request import SamplingParams
     from deltaflash.tokenizer import encode_prompt
     from deltaflash.train.corpus import heldout_prompts, load_split
 
@@ -23,18 +22,17 @@ def run(args) -> int:
         if not (folder / "config.json").is_file():
             raise DeltaflashError(f"{folder}: no checkpoint there; the demo pair is trained with bench/train_demo_pair.sh")
     device = torch.device(args.device) if args.device else None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        raise DeltaflashError(f"--device {args.device}: CUDA is not available on this machine")
+    # engines compile their kernels and capture their CUDA graphs when built, not inside a request
     plain = Engine.from_pretrained(model, device=device, progress=False, max_slots=1, max_model_len=2048)
     spec = Engine.from_pretrained(model, draft, device=device, progress=False, max_slots=1, max_model_len=2048)
     tok = plain.tokenizer
     prompts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    print(f"deltaflash demo on {plain.device}: target {model}, drafter {draft} (block {spec.speculator.block_size})\n")
-    warm = SamplingParams(max_new_tokens=8)
-    if plain.device.type == "cuda":
-        print("warming up: first use compiles the kernels and captures CUDA graphs (a minute or two on a fresh machine)\n",
-              flush=True)
-    for engine in (plain, spec):  # first use compiles kernels and captures CUDA graphs: not timed
-        engine.generate([encode_prompt(tok, prompts[0])], warm)
+    print(f"deltaflash demo on {plain.device}: target {model}, drafter {draft} (block {spec.config.block_size}); "
+          f"engines ready in {plain.startup_s:.1f} s + {spec.startup_s:.1f} s (kernels compiled, CUDA graphs "
+          f"captured)\n")
     totals = {"plain": 0.0, "spec": 0.0, "tokens": 0, "rounds": [], "same": True}
     for i, text in enumerate(prompts):
         ids = encode_prompt(tok, text)

@@ -7,7 +7,8 @@ import os
 import torch
 from transformers import Qwen3Config
 
-from deltaflash.engine.engine import Engine, EngineConfig
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
 from deltaflash.models.dflash import load_drafter
 from deltaflash.models.loader import load_model
 from tests.checkpoints import build_hf_model, save_checkpoint

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deltaflash.bench import e2e
+from deltaflash.bench import e2e, e2e_stats
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 
@@ -71,10 +71,11 @@ def test_copying_random_model_decodes_stably_in_bf16():
 
     import torch
 
-    from deltaflash.engine.engine import Engine, EngineConfig
-    from deltaflash.engine.request import SamplingParams
+    from deltaflash.core.request import SamplingParams
+    from deltaflash.engine.config import EngineConfig
+    from deltaflash.engine.engine import Engine
     from deltaflash.models.random_init import qwen35_9b_config, random_model
-    from deltaflash.spec.sources import ScriptedSource
+    from deltaflash.speculative.sources import ScriptedSource
 
     cfg = dataclasses.replace(qwen35_9b_config(4), hidden_size=256, vocab_size=2048, num_heads=2, num_kv_heads=1,
                               head_dim=64, rotary_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -90,12 +91,12 @@ def test_copying_random_model_decodes_stably_in_bf16():
     spec = Engine(model, None, None, config, draft_source=ScriptedSource(scripts, 16, cfg.vocab_size, 0.0, 0))
     done = spec.generate(prompts, params)[0]
     assert [c.token_ids for c in done] == [c.token_ids for c in plain]
-    assert [c.accepted_lengths for c in done] == [[16, 8]] * 3  # every draft accepted, cut at 24 tokens
+    assert [c.accepted_lengths for c in done] == [[16, 7]] * 3  # every draft accepted; the last round verifies 7 rows
 
 
 def test_server_mode_drives_live_servers(tmp_path):
     """`--server` / `--target-only-server` against two real `deltaflash serve` processes (bundled pair, CPU)."""
-    from deltaflash.demo import BUNDLED
+    from deltaflash.bundled import BUNDLED
     from tests.server_process import ServerProcess
 
     spec = ServerProcess(BUNDLED / "target", tmp_path / "spec.log", draft=BUNDLED / "draft")
@@ -124,7 +125,7 @@ def test_server_mode_drives_live_servers(tmp_path):
 
 def test_compare_reports_where_each_sequence_first_differs():
     points = [{"mode": "spec"}, {"mode": "target-only"}]
-    e2e.compare(points, [[1, 2, 3], [4, 5, 9, 7], [1, 2]], [[1, 2, 3], [4, 5, 6, 7], [1, 2, 8]])
+    e2e_stats.compare(points, [[1, 2, 3], [4, 5, 9, 7], [1, 2]], [[1, 2, 3], [4, 5, 6, 7], [1, 2, 8]])
     assert all(p["mismatched_sequences"] == 2 for p in points)
     assert points[0]["first_differences"] == [
         {"sequence": 1, "position": 2, "spec": 9, "target_only": 6},

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from deltaflash.engine.engine import Engine
-from deltaflash.engine.request import SamplingParams
+from deltaflash.core.request import SamplingParams
 from tests.checkpoints import build_hf_model, make_tokenizer, save_checkpoint
 
 

@@ -4,10 +4,10 @@ with matching logits, and speculative greedy output equals target-only output on
 import pytest
 import torch
 
-from deltaflash.demo import BUNDLED
+from deltaflash.bundled import BUNDLED
+from deltaflash.core.batch import ExtendBatch
+from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
-from deltaflash.engine.request import SamplingParams
-from deltaflash.engine.batch import ExtendBatch
 from deltaflash.models.dflash import load_drafter
 from deltaflash.tokenizer import encode_prompt
 from deltaflash.train.corpus import heldout_prompts, load_split
@@ -28,8 +28,8 @@ def test_target_logits_match_transformers(prompts):
     hf = Qwen3_5ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    slot = engine.pool.admit()
-    ours, _ = engine.model.extend(ExtendBatch.build([(slot, 0, ids)], "cpu"), engine.pool, all_logits=True)
+    ours, _ = engine.model.extend(ExtendBatch.build([(0, 0, ids)], "cpu"), engine.pool, engine.runner.kernels,
+                                  all_logits=True)
     assert (ours[0] - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 

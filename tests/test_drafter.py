@@ -24,7 +24,9 @@ from deltaflash.errors import (
     UnsupportedModelError,
 )
 from deltaflash.models.dflash import load_drafter
-from deltaflash.spec.draft import draft_hidden, propose, sampling_probs
+from deltaflash.core.request import SamplingParams
+from deltaflash.speculative.draft import draft_hidden, propose
+from deltaflash.speculative.sampling import LaneSampling, sampling_probs
 
 V, H, TARGET_LAYERS, TAPS = 96, 32, 8, [1, 4, 7]
 ATOL = 1e-5
@@ -84,13 +86,31 @@ def oracle_block(model, features, anchor: int, embed) -> torch.Tensor:
                      noise_embedding=F.embedding(ids, embed) * scale, target_hidden=features[None])[0]
 
 
+def context_cache(drafter, num_slots: int, max_model_len: int, dtype=torch.float32) -> DraftContextCache:
+    c = drafter.config
+    return DraftContextCache(num_slots=num_slots, max_model_len=max_model_len, num_layers=c.num_layers,
+                             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ring_window=c.ring_window,
+                             dtype=dtype, device="cpu")
+
+
+def append(drafter, cache, slot_ids, positions, rows):
+    """Committed rows' features -> the drafter's context K/V -> the cache."""
+    keys, values = drafter.project_context(rows, positions)
+    cache.append(slot_ids, positions, keys, values)
+
+
+def lane_sampling(lanes: int, temperature: float, top_p: float = 1.0, top_k: int = 0, seeds=None, draws=None):
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    return LaneSampling.build([params] * lanes, seeds or [0] * lanes, draws or [0] * lanes, "cpu")
+
+
 def fill(drafter, cache, slot: int, features, chunks):
     """Append a slot's context over several rounds, each beside a NaN padding row."""
     start = 0
     for size in chunks:
         rows = torch.cat([features[start:start + size], torch.full((1, features.shape[1]), float("nan"))])
         positions = torch.tensor([*range(start, start + size), 10**6])
-        cache.append(drafter, torch.tensor([slot] * size + [-1]), positions, rows)
+        append(drafter, cache, torch.tensor([slot] * size + [-1]), positions, rows)
         start += size
 
 
@@ -107,7 +127,7 @@ def test_incremental_context_matches_full_context_oracle(tmp_path, target, varia
     embed, head = target
     model = make_oracle(oracle_config(variant), variant)
     drafter = load(save(model, tmp_path / "d", shard=True, bare_codebooks=False))
-    cache = DraftContextCache(drafter.config, num_slots=3, max_model_len=40, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 3, 40, torch.float32)
     fill(drafter, cache, 2, features(20, seed=99), [20])  # a longer previous sequence, then admission resets
     cache.reset(2)
     context = features(13, seed=1)
@@ -137,7 +157,7 @@ def test_knobs_read_from_top_level_or_dflash_config(tmp_path, target, knobs_in):
     c = drafter.config
     assert (c.block_size, c.mask_token_id, c.target_layer_ids) == (5, 3, tuple(TAPS))
     assert (c.input_embedding_scale, c.output_multiplier, c.final_logit_softcapping) == (1.5, 0.7, 3.0)
-    cache = DraftContextCache(c, num_slots=1, max_model_len=16, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 1, 16, torch.float32)
     context = features(7, seed=2)
     fill(drafter, cache, 0, context, [7])
     ours = draft_hidden(drafter, cache, embed, *one_lane(0, 5, 7), block_size=5)[0]
@@ -162,7 +182,7 @@ def test_sliding_window_layers(tmp_path, target, layer_types, is_causal, ring):
                            is_causal=is_causal)
     model = make_oracle(config, seed=3)
     drafter = load(save(model, tmp_path / "d"))
-    cache = DraftContextCache(drafter.config, num_slots=2, max_model_len=32, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 2, 32, torch.float32)
     assert (cache.ring, cache.capacity) == (ring, 4 if ring else 32)
     context = features(11, seed=4)
     fill(drafter, cache, 1, context, [6, 3, 2])  # the first round overflows the ring
@@ -174,12 +194,11 @@ def test_dflash2_sampled_selector_matches_oracle(tmp_path, target, monkeypatch):
     embed, head = target
     model = make_oracle(oracle_config("dflash2"), "dflash2", seed=5)
     drafter = load(save(model, tmp_path / "d", bare_codebooks=True))
-    cache = DraftContextCache(drafter.config, num_slots=1, max_model_len=16, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 1, 16, torch.float32)
     context = features(8, seed=6)
     fill(drafter, cache, 0, context, [3, 5])
-    generator = torch.Generator().manual_seed(7)
-    ours = propose(drafter, cache, embed, head, *one_lane(0, 21, 8), block_size=5, temperature=0.7,
-                   generators=[generator])
+    ours = propose(drafter, cache, embed, head, *one_lane(0, 21, 8), block_size=5,
+                   sampling=lane_sampling(1, 0.7, seeds=[7]))
     assert ours.probs.shape == ours.indices.shape == (1, 4, 6)
 
     ref = oracle_block(model, context, 21, embed)[None, 1:]
@@ -203,30 +222,31 @@ def test_dflash2_sampled_selector_matches_oracle(tmp_path, target, monkeypatch):
 def test_dflash_sampling_probs_match_oracle(tmp_path, target):
     embed, head = target
     drafter = load(save(make_oracle(oracle_config("dflash")), tmp_path / "d"))
-    cache = DraftContextCache(drafter.config, num_slots=1, max_model_len=16, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 1, 16, torch.float32)
     fill(drafter, cache, 0, features(6, seed=8), [6])
     lane = one_lane(0, 4, 6)
     logits = drafter.logits(draft_hidden(drafter, cache, embed, *lane, block_size=5)[0, 1:], head)
-    runs = [propose(drafter, cache, embed, head, *lane, block_size=5, temperature=0.9, top_p=0.8, top_k=20,
-                    generators=[torch.Generator().manual_seed(11)]) for _ in range(2)]
+    runs = [propose(drafter, cache, embed, head, *lane, block_size=5,
+                    sampling=lane_sampling(1, 0.9, 0.8, 20, seeds=[11])) for _ in range(2)]
     torch.testing.assert_close(runs[0].probs[0], oracle._sampling_probs(logits, 0.9, 0.8, 20), atol=ATOL, rtol=0)
-    assert torch.equal(runs[0].tokens, runs[1].tokens)  # one generator stream per lane, reproducible
+    assert torch.equal(runs[0].tokens, runs[1].tokens)  # one noise stream per (seed, step): reproducible
     assert (runs[0].probs[0].gather(-1, runs[0].tokens[0, :, None]) > 0).all()
     assert torch.equal(sampling_probs(logits, 0.9), oracle._sampling_probs(logits, 0.9))
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-@pytest.mark.parametrize("per_lane_generators", [False, True])
-def test_sampled_tokens_follow_q(tmp_path, target, variant, per_lane_generators):
+@pytest.mark.parametrize("streams", ["seeds", "steps"])
+def test_sampled_tokens_follow_q(tmp_path, target, variant, streams):
+    """Lanes with different seeds, or one seed at different steps, draw independently from q."""
     embed, head = target
     drafter = load(save(make_oracle(oracle_config(variant), variant, seed=14), tmp_path / "d"))
-    cache = DraftContextCache(drafter.config, num_slots=1, max_model_len=16, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 1, 16, torch.float32)
     fill(drafter, cache, 0, features(5, seed=15), [5])
     lanes = 2000  # every lane drafts the same block, so slot 1 draws 2000 times from one q
-    torch.manual_seed(16)
-    generators = [torch.Generator().manual_seed(i) for i in range(lanes)] if per_lane_generators else None
+    counters = {"seeds": (list(range(lanes)), None), "steps": ([16] * lanes, list(range(lanes)))}[streams]
     p = propose(drafter, cache, embed, head, torch.zeros(lanes, dtype=torch.long), torch.full((lanes,), 9),
-                torch.full((lanes,), 5), 5, temperature=1.5, top_k=20, generators=generators)
+                torch.full((lanes,), 5), 5, sampling=lane_sampling(lanes, 1.5, top_k=20, seeds=counters[0],
+                                                                   draws=counters[1]))
     q = p.probs[0, 0] if p.indices is None else torch.zeros(V).scatter(-1, p.indices[0, 0], p.probs[0, 0])
     seen = torch.bincount(p.tokens[:, 0], minlength=V).float() / lanes
     assert q.max() < 0.6 and 0.5 * (seen - q).abs().sum() < 0.1  # total variation distance
@@ -237,27 +257,27 @@ def test_sampled_tokens_follow_q(tmp_path, target, variant, per_lane_generators)
 def test_batched_propose_equals_per_lane_runs(tmp_path, target, variant, temperature):
     embed, head = target
     drafter = load(save(make_oracle(oracle_config(variant), variant, seed=9), tmp_path / "d"))
-    cache = DraftContextCache(drafter.config, num_slots=4, max_model_len=24, dtype=torch.float32, device="cpu")
+    cache = context_cache(drafter, 4, 24, torch.float32)
     contexts = {0: features(3, seed=10), 3: features(8, seed=11), 1: features(12, seed=12)}
     for lo, hi in [(0, 5), (5, 12)]:  # slots interleaved in one append, plus a padding row
         slot_ids = [s for s, f in contexts.items() for _ in range(lo, min(hi, len(f)))] + [-1]
         positions = [p for f in contexts.values() for p in range(lo, min(hi, len(f)))] + [0]
         rows = torch.cat([f[lo:hi] for f in contexts.values()] + [torch.full((1, 3 * H), float("nan"))])
-        cache.append(drafter, torch.tensor(slot_ids), torch.tensor(positions), rows)
+        append(drafter, cache, torch.tensor(slot_ids), torch.tensor(positions), rows)
 
     lanes = [(1, 40, 12), (-1, -1, 0), (0, 41, 3), (3, 42, 8)]  # (slot, anchor, anchor position)
     seeds = [20, 21, 22, 23]
     slot_ids, anchors, positions = (torch.tensor(col) for col in zip(*lanes))
-    batched = [propose(drafter, cache, embed, head, slot_ids, anchors, positions, 5, temperature=temperature,
-                       generators=[torch.Generator().manual_seed(s) for s in seeds], max_context_len=bound)
+    batched = [propose(drafter, cache, embed, head, slot_ids, anchors, positions, 5,
+                       sampling=lane_sampling(4, temperature, seeds=seeds), max_context_len=bound)
                for bound in (None, 12)]
     hidden = draft_hidden(drafter, cache, embed, slot_ids, anchors, positions, 5)
     assert torch.isfinite(hidden).all()
     for i, lane in enumerate(lanes):
         if lane[0] < 0:
             continue
-        single = propose(drafter, cache, embed, head, *one_lane(*lane), 5, temperature=temperature,
-                         generators=[torch.Generator().manual_seed(seeds[i])])
+        single = propose(drafter, cache, embed, head, *one_lane(*lane), 5,
+                         sampling=lane_sampling(1, temperature, seeds=[seeds[i]]))
         torch.testing.assert_close(hidden[i], draft_hidden(drafter, cache, embed, *one_lane(*lane), 5)[0],
                                    atol=ATOL, rtol=0)
         for run in batched:
@@ -274,7 +294,7 @@ def test_bf16_path_as_accurate_as_oracle_bf16(tmp_path, target, variant):
     context = features(7, seed=13)
     exact = oracle_block(model, context, 2, embed)
     oracle_error = (oracle_block(model.bfloat16(), context.bfloat16(), 2, embed.bfloat16()) - exact).abs().max()
-    cache = DraftContextCache(drafter.config, num_slots=1, max_model_len=16, dtype=torch.bfloat16, device="cpu")
+    cache = context_cache(drafter, 1, 16, torch.bfloat16)
     fill(drafter, cache, 0, context.bfloat16(), [7])
     ours = draft_hidden(drafter, cache, embed.bfloat16(), *one_lane(0, 2, 7), 5)[0]
     assert ours.dtype == torch.bfloat16

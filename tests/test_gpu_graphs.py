@@ -1,15 +1,17 @@
-"""CUDA-graph replay of the verify round equals eager execution; fused route end to end (GPU only)."""
+"""CUDA graphs: captured at engine start, replay equal to eager execution, lossless end to end, no host
+sync inside a round (GPU only)."""
+
+import warnings
 
 import pytest
 import torch
 
-from deltaflash.engine.batch import VerifyBatch
-from deltaflash.engine.engine import Engine, EngineConfig
-from deltaflash.engine.graphs import VerifyGraphRunner
-from deltaflash.engine.request import SamplingParams
+from deltaflash.core.request import SamplingParams, Status
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
+from deltaflash.engine.graphs import LaneGraphs
 from deltaflash.models.loader import load_model
-from deltaflash.ops.verify_route import fused_ops
-from deltaflash.spec.sources import ScriptedSource
+from deltaflash.speculative.sources import ScriptedSource
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -20,43 +22,54 @@ def folder(tmp_path_factory):
     return save_checkpoint(build_hf_model("dense_gqa", seed=6), tmp_path_factory.mktemp("graphs"))
 
 
-def _batch(slots, starts, W, vocab, lanes_total=None):
-    g = torch.Generator().manual_seed(len(slots))
-    L = lanes_total or len(slots)
-    slots = list(slots) + [-1] * (L - len(slots))
-    starts = list(starts) + [0] * (L - len(starts))
-    chain = torch.arange(W)
-    start = torch.tensor(starts)
-    return VerifyBatch(input_ids=torch.randint(0, vocab, (L, W), generator=g).cuda(),
-                       parents=(chain - 1).expand(L, W).contiguous().cuda(), positions=(start[:, None] + chain).cuda(),
-                       slot_ids=torch.tensor(slots).cuda(), start=start.cuda(), slot_ids_host=tuple(slots),
-                       start_host=tuple(starts), chain_host=True)
+def decoding(engine, prompts, max_new_tokens=50):
+    """Admit the prompts and step until every sequence is decoding."""
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.status is not Status.DECODING for s in engine.scheduler.running.values()):
+        engine.step()
+    return list(engine.scheduler.running.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_graph_replay_equals_eager(folder, dtype):
     model = load_model(folder, device="cuda", dtype=dtype, progress=False)
-    engine = Engine(model, config=EngineConfig(max_slots=6, max_model_len=128))
-    prompts = [[5, 6, 7], list(range(1, 30)), list(range(40, 51))]
-    slots = []
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_new_tokens=50))
-    while engine.waiting or any(s.num_prefilled < len(s.prompt_ids) for s in engine.running.values()):
-        engine.step()
-    seqs = list(engine.running.values())
-    slots, starts = [s.slot for s in seqs][::-1], [s.position for s in seqs][::-1]  # permuted lanes
-    W = 5
-    runner = VerifyGraphRunner(model, engine.pool, fused_ops(), W)
-    before = [t.clone() for t in (engine.pool.recurrent_state, engine.pool.conv_history)]
-    graphed = runner.run(_batch(slots, starts, W, 96))  # bucket 4: one padding lane
-    graphed = [t.clone() for t in (graphed.logits, graphed.conv_windows, graphed.replay_log)]
-    eager = model.verify(_batch(slots, starts, W, 96, lanes_total=4), engine.pool, fused_ops(), kmax=engine.pool.max_len)
-    assert torch.equal(graphed[0], eager.logits[:3])
-    assert torch.equal(graphed[1], eager.conv_windows[:, :3])
-    assert torch.equal(graphed[2], eager.replay_log[:, :3])
-    assert torch.equal(before[0], engine.pool.recurrent_state) and torch.equal(before[1], engine.pool.conv_history)
-    again = runner.run(_batch(slots, starts, W, 96))
-    assert torch.equal(again.logits, graphed[0])
+    source = ScriptedSource({}, 5, 96)
+    engine = Engine(model, config=EngineConfig(max_slots=6, max_model_len=128), draft_source=source)
+    seqs = decoding(engine, [[5, 6, 7], list(range(1, 30)), list(range(40, 51))])[::-1]  # permuted lanes
+    runner, W = engine.runner, 5
+    ids = torch.randint(0, 96, (3, W), generator=torch.Generator().manual_seed(0)).cuda()
+    slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
+    start = torch.tensor([s.position for s in seqs], device="cuda")
+    before = [t.clone() for t in (runner.pool.recurrent_state, runner.pool.conv_history)]
+    with torch.inference_mode():
+        graphed = runner.verify(ids, slot_ids, start, kmax=max(s.position for s in seqs) + W)  # bucket 4: 1 padding lane
+        graphed = [t.clone() for t in (graphed.logits, graphed.conv_windows, graphed.replay_log)]
+        eager = runner._verify_rows(torch.cat([ids, ids[:1]]), torch.cat([slot_ids, slot_ids.new_full((1,), -1)]),
+                                    torch.cat([start, start[:1] * 0]))  # the same 4 lanes, eagerly
+    assert torch.equal(graphed[0], eager[0][:3])
+    assert torch.equal(graphed[1], eager[2].movedim(0, 1)[:, :3])
+    assert torch.equal(graphed[2], eager[3].movedim(0, 1)[:, :3])
+    assert torch.equal(before[0], runner.pool.recurrent_state) and torch.equal(before[1], runner.pool.conv_history)
+
+
+def test_every_graph_is_captured_at_start_and_none_inside_requests(folder, monkeypatch):
+    model = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
+    engine = Engine(model, config=EngineConfig(max_slots=5, max_model_len=128),
+                    draft_source=ScriptedSource({}, 4, 96))
+    graphs = engine.runner.graphs
+    assert graphs.buckets == (1, 2, 4, 8)
+    assert {g.name for g in graphs.functions} == {"verify W=1", "verify W=4"}
+    assert all(set(g.graphs) == set(graphs.buckets) for g in graphs.functions)
+    assert engine.startup_s > 0
+
+    def no_capture(self, bucket):
+        raise AssertionError(f"{self.name} captured inside a request (bucket {bucket})")
+
+    monkeypatch.setattr(LaneGraphs, "capture", no_capture)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 19, 33, 8, 60)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
 
 
 def test_fused_route_with_graphs_is_lossless(folder):
@@ -69,9 +82,58 @@ def test_fused_route_with_graphs_is_lossless(folder):
     scripts = {tuple(p): e for p, e in zip(prompts[:3], expected[:3])}
     engine = Engine(model, config=EngineConfig(max_slots=8, max_model_len=256),
                     draft_source=ScriptedSource(scripts, 8, 96, corrupt=0.1, seed=1))
-    assert engine.speculator.graphs is not None and engine.speculator.verify_ops.name == "fused"
-    done = [c.token_ids for c in engine.generate(prompts, params)[0]]
-    assert done == expected
+    assert engine.runner.graphs is not None and engine.runner.kernels.name == "triton"
+    done = engine.generate(prompts, params)[0]
+    assert [c.token_ids for c in done] == expected
+    assert max(n for c in done[:3] for n in c.accepted_lengths) == 8
+
+
+def test_more_lanes_than_the_largest_bucket(folder, monkeypatch):
+    """70 lanes: rounds past the largest bucket (64) run eagerly, with the same output."""
+    model = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (70,), generator=g)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    config = EngineConfig(max_slots=70, max_model_len=64, prefill_chunk=4096)
+    expected = [c.token_ids for c in Engine(model, config=config).generate(prompts, params)[0]]
+    scripts = {tuple(p): e for p, e in zip(prompts, expected)}
+    engine = Engine(model, config=config, draft_source=ScriptedSource(scripts, 4, 96, corrupt=0.2, seed=2))
+    assert engine.runner.graphs.buckets[-1] == 64
+    eager_rounds = []
+    real = engine.runner._verify_rows
+
+    def count(*args, **kwargs):
+        eager_rounds.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "_verify_rows", count)
+    assert [c.token_ids for c in engine.generate(prompts, params)[0]] == expected
+    assert eager_rounds and min(eager_rounds) > 64  # only rounds of more than 64 lanes ran eagerly
+
+
+@pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
+def test_a_round_syncs_with_the_host_once(tmp_path, kind):
+    """torch's sync debug mode reports every synchronizing call: a decode round (drafting, verify,
+    acceptance with greedy and sampled lanes, commit) makes exactly one, the read of its results."""
+    model = load_model(save_checkpoint(build_hf_model(kind, seed=9), tmp_path / kind), device="cuda",
+                       dtype=torch.float32, progress=False)
+    engine = Engine(model, config=EngineConfig(max_slots=4, max_model_len=128), draft_source=ScriptedSource({}, 4, 96))
+    decoding(engine, [[1, 2, 3], [4, 5, 6, 7]])
+    for params in (SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=1),
+                   SamplingParams(max_new_tokens=20)):
+        engine.add_request([9, 8, 7], params)
+    while engine.scheduler.waiting or any(s.status is not Status.DECODING for s in engine.scheduler.running.values()):
+        engine.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, syncs
 
 
 def test_drafter_graphs_are_lossless_and_match_eager_drafting(tmp_path):
@@ -90,14 +152,11 @@ def test_drafter_graphs_are_lossless_and_match_eager_drafting(tmp_path):
     config = EngineConfig(max_slots=4, max_model_len=256)
     expected = [c.token_ids for c in Engine(model, config=config).generate(prompts, params)[0]]
     spec = Engine(model, None, drafter, config)
-    source = spec.speculator.source
+    source = spec.runner.source
     assert source.block_graphs is not None and source.append_graphs is not None
     assert [c.token_ids for c in spec.generate(prompts, params)[0]] == expected
 
-    for p in prompts:  # fresh sequences past prefill, then one block both ways
-        spec.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    spec.step()
-    seqs = list(spec.running.values())
+    seqs = decoding(spec, prompts, 8)  # fresh sequences past prefill, then one block both ways
     slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
     anchors = torch.tensor([s.pending for s in seqs], device="cuda")
     start = torch.tensor([s.position for s in seqs], device="cuda")

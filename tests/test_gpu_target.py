@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from deltaflash.cache.slots import SlotPool
-from deltaflash.engine.batch import ExtendBatch
+from deltaflash.core.batch import ExtendBatch
+from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
-from deltaflash.engine.request import SamplingParams
 from deltaflash.models.loader import load_model
+from deltaflash.ops.kernels import triton_kernels
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_ref, chunk_gated_delta_rule_varlen, l2_normalize
 from tests.checkpoints import build_hf_model, save_checkpoint
 
@@ -47,17 +48,28 @@ def test_cuda_fp32_greedy_matches_transformers(tmp_path, kind):
     assert done.token_ids == expected
 
 
-def test_cuda_bf16_batched_decode_equals_solo(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_batched_decode_equals_solo(tmp_path, dtype):
+    """fp32: batched == solo exactly. bf16: a sequence may leave its solo run only where the fp32 model
+    sees a near tie (top-2 logits within 2% of the logit range): batch-shape rounding, not a bug."""
     folder = save_checkpoint(build_hf_model("dense_gqa", seed=4), tmp_path / "d")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 20, 70, 9)]
-    engine = Engine.from_pretrained(folder, device="cuda", progress=False, max_slots=4, max_model_len=256)
-    together, _ = engine.generate(prompts, SamplingParams(max_new_tokens=16))
-    agree = 0
+    params = SamplingParams(max_new_tokens=16)
+    engine = Engine.from_pretrained(folder, device="cuda", dtype=dtype, progress=False, max_slots=4, max_model_len=256)
+    together, _ = engine.generate(prompts, params)
+    solo = Engine.from_pretrained(folder, device="cuda", dtype=dtype, progress=False, max_slots=1, max_model_len=256)
+    reference = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
     for p, d in zip(prompts, together):
-        solo = Engine.from_pretrained(folder, device="cuda", progress=False, max_slots=1, max_model_len=256)
-        agree += d.token_ids == solo.generate([p], SamplingParams(max_new_tokens=16))[0][0].token_ids
-    assert agree >= 3  # bf16 batch-shape rounding may flip a near tie; report if it ever does
+        alone = solo.generate([p], params)[0][0].token_ids
+        if dtype == torch.float32 or d.token_ids == alone:
+            assert d.token_ids == alone
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(d.token_ids, alone)) if a != b)
+        pool = SlotPool(reference.cfg, 1, 256, torch.float32, "cuda")
+        logits, _ = reference.extend(ExtendBatch.build([(0, 0, p + alone[:at])], "cuda"), pool, triton_kernels())
+        top2 = logits[0].topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.02 * float(logits[0].max() - logits[0].min()), (p, at)
 
 
 def test_model_logits_close_in_bf16(tmp_path):
@@ -71,7 +83,8 @@ def test_model_logits_close_in_bf16(tmp_path):
         ref = hf.float().cuda()(prompt.cuda()).logits[0].cpu()
         hf_bf16 = hf.to(torch.bfloat16)(prompt.cuda()).logits[0].float().cpu()
     pool = SlotPool(model.cfg, 1, 128, torch.bfloat16, "cuda")
-    out, _ = model.extend(ExtendBatch.build([(pool.admit(), 0, prompt[0].tolist())], "cuda"), pool, all_logits=True)
+    out, _ = model.extend(ExtendBatch.build([(0, 0, prompt[0].tolist())], "cuda"), pool, triton_kernels(),
+                          all_logits=True)
     err = (out[0].float().cpu() - ref).norm() / ref.norm()
     hf_err = (hf_bf16 - ref).norm() / ref.norm()
     assert err < 1.25 * hf_err and err < 0.06, (err, hf_err)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deltaflash.engine.engine import Engine
-from deltaflash.engine.request import SamplingParams
+from deltaflash.core.request import SamplingParams
 from tests.server_process import ServerProcess, child_env, sse_payloads, tiny_pair
 
 KEY = "sk-test-key"

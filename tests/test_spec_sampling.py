@@ -5,11 +5,12 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-import deltaflash.spec.speculator as speculator_module
-from deltaflash.engine.request import SamplingParams
+import deltaflash.engine.runner as runner_module
+from deltaflash.core.request import SamplingParams
+from deltaflash.models.loader import load_model
+from deltaflash.speculative.acceptance import Accepted, accept
 from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.spec_pairs import engine_for, save_drafter
-from deltaflash.models.loader import load_model
 
 VOCAB, N, TOKENS = 12, 1200, 3
 PROMPT = [3, 1, 4, 1, 5]
@@ -25,6 +26,14 @@ def pair(tmp_path_factory):
     cfg = load_model(target, device="cpu", progress=False).cfg
     return target, {variant: save_drafter(root / variant, cfg, variant, seed=5, block_size=4)
                     for variant in ("dflash", "dflash2")}
+
+
+def accept_every_draft(logits, drafts, draft_q, n_draft, sampling):
+    """A broken rule: every allowed draft is kept (no rejection step), the next token is the draft after."""
+    if drafts.shape[1] == 0:
+        return accept(logits, drafts, draft_q, n_draft, sampling)
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1)
+    return Accepted(counts=n_draft, tokens=tokens)
 
 
 def draws(engine, params_for_seed):
@@ -58,7 +67,6 @@ def test_speculative_sampling_matches_target_distribution(pair, variant, top_p, 
     assert min(p_values(plain, spec)) > 1e-3
 
     # power: accepting every draft (no rejection step) must be caught by the same test
-    monkeypatch.setattr(speculator_module, "accept_sampled",
-                        lambda logits, drafts, q, p, g, n: (n, int(drafts[n]) if n < len(drafts) else 0))
+    monkeypatch.setattr(runner_module, "accept", accept_every_draft)
     broken = draws(engine_for(target, draft, max_slots=64), lambda i: params(i, 200_000))
     assert min(p_values(plain, broken)) < 1e-4

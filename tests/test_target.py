@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from deltaflash.cache.slots import SlotPool
-from deltaflash.engine.batch import ExtendBatch
+from deltaflash.core.batch import ExtendBatch
+from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
-from deltaflash.engine.request import SamplingParams
 from deltaflash.models.loader import load_model
+from deltaflash.ops.kernels import reference_kernels
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 CASES = [
@@ -34,8 +35,8 @@ def test_parity_with_transformers(tmp_path, kind, layout, shard):
     with torch.no_grad():
         ref = hf(prompt).logits[0].float()
     pool = SlotPool(model.cfg, 2, 256, torch.float32, "cpu")
-    batch = ExtendBatch.build([(pool.admit(), 0, prompt[0].tolist())], "cpu")
-    logits, _ = model.extend(batch, pool, all_logits=True)
+    batch = ExtendBatch.build([(0, 0, prompt[0].tolist())], "cpu")
+    logits, _ = model.extend(batch, pool, reference_kernels(), all_logits=True)
     scale = ref.abs().max().item()
     assert (logits[0] - ref).abs().max().item() <= 1e-4 * scale
 
@@ -74,14 +75,14 @@ def test_more_requests_than_slots_queue_and_finish(dense_folder):
     solo = Engine.from_pretrained(dense_folder, device="cpu", progress=False, max_slots=1, max_model_len=128)
     for p, d in zip(prompts, done):
         assert d.token_ids == solo.generate([p], SamplingParams(max_new_tokens=6))[0][0].token_ids
-    assert engine.pool.num_live == 0
+    assert engine.num_live == 0
 
 
 def test_slot_reuse_matches_fresh_engine(dense_folder):
     engine = Engine.from_pretrained(dense_folder, device="cpu", progress=False, max_slots=1, max_model_len=128)
     first, second = _prompts(96, [40, 13], seed=5)
     engine.generate([first], SamplingParams(max_new_tokens=20))
-    assert engine.pool.num_free == 1  # the slot was retired...
+    assert engine.scheduler.slots.num_free == 1  # the slot was retired...
     (reused,), _ = engine.generate([second], SamplingParams(max_new_tokens=20))  # ...and re-admitted
     fresh = Engine.from_pretrained(dense_folder, device="cpu", progress=False, max_slots=1, max_model_len=128)
     (clean,), _ = fresh.generate([second], SamplingParams(max_new_tokens=20))
@@ -91,12 +92,12 @@ def test_slot_reuse_matches_fresh_engine(dense_folder):
 def test_padding_lane_touches_nothing(dense_folder):
     model = load_model(dense_folder, device="cpu", progress=False)
     pool = SlotPool(model.cfg, 3, 64, torch.float32, "cpu")
-    slot = pool.admit()
-    model.extend(ExtendBatch.build([(slot, 0, [1, 2, 3])], "cpu"), pool)
+    slot = 0
+    model.extend(ExtendBatch.build([(slot, 0, [1, 2, 3])], "cpu"), pool, reference_kernels())
     before = [t.clone() for t in (pool.conv_history, pool.recurrent_state, pool.key_cache, pool.value_cache)]
     lengths = list(pool.lengths)
     batch = ExtendBatch.build([(slot, 3, [4])], "cpu", pad_lanes_to=3)
-    model.extend(batch, pool)
+    model.extend(batch, pool, reference_kernels())
     after = (pool.conv_history, pool.recurrent_state, pool.key_cache, pool.value_cache)
     for b, a in zip(before, after):  # only the live slot changed (K/V of padding rows went to the sink)
         assert torch.equal(b[1:pool.num_slots], a[1:pool.num_slots])

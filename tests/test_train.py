@@ -209,7 +209,7 @@ def test_acceptance_is_chained_and_cli_evaluate_reports_it(pipeline, capsys):
 
 def test_generate_writes_the_targets_greedy_continuations_and_draft_trains_on_them(pipeline, capsys):
     from deltaflash.engine.engine import Engine
-    from deltaflash.engine.request import SamplingParams
+    from deltaflash.core.request import SamplingParams
     from deltaflash.train.generate import generation_prompts, load_stream
 
     out = pipeline.out

@@ -20,17 +20,18 @@ acceptance, labelled scripted everywhere). `--server URL` drives a running `delt
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, write_json
-from deltaflash.demo import BUNDLED
-from deltaflash.engine.engine import Engine, EngineConfig
-from deltaflash.engine.request import SamplingParams
+from deltaflash.bench.common import copy_bandwidth_gbs, machine, write_json
+from deltaflash.bench.e2e_stats import compare, latency_summary, report
+from deltaflash.bundled import BUNDLED
+from deltaflash.core.request import SamplingParams
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
 
 MODES = ("spec", "target-only")
 PHASES = ("prefill", "draft", "verify", "accept", "commit", "host")
@@ -73,7 +74,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
     prompts = [encode_prompt(spec.tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
                           block_size=args.block_size)
-    drafter = spec.speculator.source.drafter
+    drafter = spec.runner.source.drafter
 
     def engine(mode: str, profile: bool = False) -> Engine:
         engine_cfg = dataclasses.replace(config, sync_phase_timing=profile, block_size=config.block_size * (mode == "spec"))
@@ -88,7 +89,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
 def _scripted_workload(args, max_slots: int) -> Workload:
     from deltaflash.models.loader import default_device, load_model
     from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
-    from deltaflash.spec.sources import ScriptedSource
+    from deltaflash.speculative.sources import ScriptedSource
 
     device = torch.device(args.device) if args.device else default_device()
     if args.model:  # a checkpoint (tests: a tiny random one)
@@ -190,23 +191,6 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     return out
 
 
-def latency_summary(sequences: list[tuple[float, float, list[tuple[float, int]], int]]) -> dict:
-    """Per sequence (first token s, last token s, [(event time, tokens in the event)], tokens), all
-    times from the sequence's submission: mean tokens/s, mean decode tokens/s (tokens after the first
-    over the time after the first: 1 / TPOT, prefill excluded), TTFT and inter-token percentiles (an
-    event of n tokens counts as n gaps of 1/n of its interval)."""
-    ttft = [first for first, _, _, _ in sequences]
-    itl = [(b - a) / n for _, _, events, _ in sequences for (a, _), (b, n) in zip(events, events[1:]) for _ in range(n)]
-    per_seq = [tokens / last for _, last, _, tokens in sequences]
-    decode = [(tokens - events[0][1]) / (last - first) for first, last, events, tokens in sequences if len(events) > 1]
-    out = {"seq_tokens_per_s_mean": sum(per_seq) / len(per_seq) if per_seq else None,
-           "seq_decode_tokens_per_s_mean": sum(decode) / len(decode) if decode else None}
-    for name, xs in (("ttft", ttft), ("itl", itl)):
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3 if xs else None
-    return out
-
-
 def phase_shares(steps: list) -> dict:
     """Share of summed step wall time per phase (PHASES); host = step time not in any phase."""
     total = {p: 0.0 for p in PHASES}
@@ -222,12 +206,6 @@ def phase_shares(steps: list) -> dict:
         total["host"] += step_s - r.prefill_s - (spec or r.decode_s)
     whole = sum(total.values()) or 1.0
     return {p: total[p] / whole for p in PHASES}
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    xs = sorted(xs)
-    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
 
 
 # ---- the sweep ------------------------------------------------------------------------------
@@ -260,20 +238,6 @@ def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, ba
             "meta": workload.meta, "points": points, "figures": figures(points, workload)}
 
 
-def compare(points: list[dict], spec: list[list[int]], plain: list[list[int]]) -> None:
-    """Mark both points of one concurrency with how many sequences differ, and where each first
-    differs (output index and both tokens), so a divergence can be replayed."""
-    first = []
-    for i, (a, b) in enumerate(zip(spec, plain)):
-        if a != b:
-            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            first.append({"sequence": i, "position": at, "spec": a[at] if at < len(a) else None,
-                          "target_only": b[at] if at < len(b) else None})
-    for p in points:
-        p["mismatched_sequences"] = len(first)
-        p["first_differences"] = first
-
-
 def figures(points: list[dict], workload: Workload) -> dict:
     """The issue's ratios, each with the phase that dominates the profile it depends on."""
     at = {(p["concurrency"], p["mode"]): p for p in points}
@@ -300,29 +264,6 @@ def figures(points: list[dict], workload: Workload) -> dict:
                 figs[name]["limit_tokens_per_s"] = limit
                 figs[name]["weight_read_ms"] = workload.weight_read_s * 1e3
     return figs
-
-
-TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
-              "mean_accepted_length", "ttft_p50_ms",
-              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences")
-
-
-def report(result: dict) -> None:
-    rows = [{k: p.get(k) for k in TABLE_COLS} | _shares_cell(p) for p in result["points"]]
-    print_table(f"deltaflash e2e, {result['label']}, W {result['block_size']}, "
-                f"{result['max_new_tokens']} new tokens", rows)
-    for name, fig in result["figures"].items():
-        print(f"  {name}: {fig['value']:.3f}  (dominant phase: {fig['dominant_phase']})")
-    for p in result["points"]:
-        if p["mode"] == "spec":
-            for d in p.get("first_differences", []):
-                print(f"  C={p['concurrency']}: sequence {d['sequence']} first differs at output token {d['position']} "
-                      f"(speculative {d['spec']}, target-only {d['target_only']})")
-
-
-def _shares_cell(point: dict) -> dict:
-    shares = point.get("phase_shares")
-    return {"profile": " ".join(f"{k}:{v:.0%}" for k, v in shares.items() if v >= 0.005)} if shares else {}
 
 
 @torch.inference_mode()

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from deltaflash.bench.common import machine, write_json
-from deltaflash.bench.e2e import compare, latency_summary, report
+from deltaflash.bench.e2e_stats import compare, latency_summary, report
 from deltaflash.bench.serve import Trace, _stream
-from deltaflash.demo import BUNDLED
+from deltaflash.bundled import BUNDLED
 
 
 def run_server(args) -> int:

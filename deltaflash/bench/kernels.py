@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from deltaflash.bench.common import copy_bandwidth_gbs, graph_ms, machine, print_table, time_ms, write_json
-from deltaflash.ops.verify_route import fused_ops, unfused_ops
+from deltaflash.core.batch import CommitPlan
+from deltaflash.ops.kernels import reference_kernels, triton_kernels
 
 
 def layer_inputs(L: int, W: int, slots: int, nk=16, nv=32, dk=128, dv=128, K=4, G=1, seed=0):
@@ -67,7 +68,7 @@ def verify_bytes(L, W, dims) -> tuple[int, int]:
 @torch.inference_mode()
 def run(args) -> dict:
     bw = copy_bandwidth_gbs("cuda")
-    fused, unfused = fused_ops(), unfused_ops()
+    fused, unfused = triton_kernels(), reference_kernels()
     W, rows, commit_rows = args.width, [], []
     for L in args.lanes:
         t = layer_inputs(L, W, slots=max(2 * L, 8))
@@ -90,11 +91,11 @@ def run(args) -> dict:
         nk, nv, dk, dv, C, K = t["dims"]
         pool = torch.randn(max(2 * L, 8), G, nv, dk, dv, device="cuda") * 0.1
         log = torch.randn(G, L, W, nv, 1 + dk + dv, device="cuda") * 0.01
-        nodes = torch.arange(W, device="cuda").expand(L, W).contiguous()
-        accepted = torch.full((L,), acc, device="cuda")
+        plan = CommitPlan(t["slot_ids"], torch.arange(W, device="cuda").expand(L, W).contiguous(),
+                          torch.full((L,), acc, device="cuda"), (), (), (), chain_host=True)
 
-        def commit():  # fused_ops' commit: the caller (cache/commit.py) validated the plan
-            fused.replay_commit(pool, log, t["slot_ids"], nodes, accepted)
+        def commit():  # the kernels' commit: the caller (cache/commit.py) validated the plan
+            fused.replay_commit(pool, log, plan)
 
         c_ms, eager_ms = graph_ms(commit), time_ms(commit, 5, 20)
         c_bytes = 2 * L * G * nv * dk * dv * 4 + L * G * acc * nv * (1 + dk + dv) * 4

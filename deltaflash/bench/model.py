@@ -7,8 +7,9 @@ import torch
 
 from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, time_ms, write_json
 from deltaflash.cache.slots import SlotPool
-from deltaflash.engine.batch import ExtendBatch
+from deltaflash.core.batch import ExtendBatch
 from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
+from deltaflash.ops.kernels import reference_kernels, triton_kernels
 
 
 def transformers_twin(model):
@@ -46,6 +47,7 @@ def run(args) -> dict:
     hf = transformers_twin(model) if not args.no_transformers else None
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
+    kernels = triton_kernels() if device.type == "cuda" else reference_kernels()
 
     # prefill of one prompt
     T = args.prefill_tokens
@@ -53,9 +55,8 @@ def run(args) -> dict:
     prompt = torch.randint(0, cfg.vocab_size, (T,), generator=gen).tolist()
 
     def ours_prefill():
-        slot = pool.admit()
-        model.extend(ExtendBatch.build([(slot, 0, prompt)], device), pool)
-        pool.retire(slot)
+        pool.reset(0)
+        model.extend(ExtendBatch.build([(0, 0, prompt)], device), pool, kernels)
 
     ids = torch.tensor([prompt], device=device)
     row = {"phase": f"prefill {T}", "deltaflash_ms": time_ms(ours_prefill, 2, 5)}
@@ -65,18 +66,18 @@ def run(args) -> dict:
 
     # batched decode: B sequences at different positions, one row each
     for B in args.decode_batches:
-        slots = [pool.admit() for _ in range(B)]
+        slots = list(range(B))
         lens = [args.context - i for i in range(B)]
         for s, n in zip(slots, lens):
-            model.extend(ExtendBatch.build([(s, 0, torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist())], device), pool)
+            pool.reset(s)
+            prompt_s = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+            model.extend(ExtendBatch.build([(s, 0, prompt_s)], device), pool, kernels)
 
         def ours_decode():
             batch = ExtendBatch.build([(s, pool.lengths[s], [7]) for s in slots], device)
-            model.extend(batch, pool)
+            model.extend(batch, pool, kernels)
 
         row = {"phase": f"decode B={B}", "deltaflash_ms": time_ms(ours_decode, 3, 10)}
-        for s in slots:
-            pool.retire(s)
         if hf is not None:
             from transformers import DynamicCache
 

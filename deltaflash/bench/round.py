@@ -8,39 +8,35 @@ import time
 import torch
 
 from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, time_ms, write_json
-from deltaflash.engine.batch import VerifyBatch
-from deltaflash.engine.engine import Engine, EngineConfig
-from deltaflash.engine.request import SamplingParams, Status
+from deltaflash.core.request import SamplingParams, Status
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
 from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
-from deltaflash.ops.verify_route import fused_ops, unfused_ops
-from deltaflash.spec.sources import ScriptedSource
+from deltaflash.speculative.sources import ScriptedSource
 
 
-def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int) -> Engine:
+def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int, kernels: str = "auto") -> Engine:
     """An engine with `lanes` sequences past prefill, drafting from a (random) script."""
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
-    engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, prefill_chunk=4096),
-                    draft_source=source)
+    engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, prefill_chunk=4096,
+                                                    kernels=kernels), draft_source=source)
     gen = torch.Generator().manual_seed(lanes)
     for _ in range(lanes):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_new_tokens=max_len - prompt_len - 1, ignore_eos=True))
-    while any(s.status is not Status.DECODING for s in engine.running.values()) or engine.waiting:
+    while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
         engine.step()
     return engine
 
 
-def verify_batch(engine) -> VerifyBatch:
-    seqs = list(engine.running.values())
-    W, dev = engine.speculator.block_size, engine.device
-    chain = torch.arange(W, device=dev)
-    start = torch.tensor([s.position for s in seqs], device=dev)
-    return VerifyBatch(input_ids=torch.randint(0, engine.cfg.vocab_size, (len(seqs), W), device=dev),
-                       parents=(chain - 1).expand(len(seqs), W).contiguous(), positions=start[:, None] + chain,
-                       slot_ids=torch.tensor([s.slot for s in seqs], device=dev), start=start,
-                       slot_ids_host=tuple(s.slot for s in seqs), start_host=tuple(s.position for s in seqs),
-                       chain_host=True)
+def verify_inputs(engine) -> tuple:
+    """(input_ids [L, W], slot_ids [L], start [L], kmax) of one verify forward of the engine's lanes."""
+    seqs = list(engine.scheduler.running.values())
+    W, dev = engine.config.block_size, engine.device
+    starts = [s.position for s in seqs]
+    return (torch.randint(0, engine.cfg.vocab_size, (len(seqs), W), device=dev),
+            torch.tensor([s.slot for s in seqs], device=dev), torch.tensor(starts, device=dev), max(starts) + W)
 
 
 def round_ms(engine, rounds: int) -> float:
@@ -66,26 +62,20 @@ def run(args) -> dict:
     limit = read_bytes / (bw * 1e9) * 1e3
     rows, graphs = [], False
     for lanes in args.lanes:
-        engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len)
-        spec = engine.speculator
-        graphs = spec.graphs is not None
-        batch = verify_batch(engine)
         row = {"lanes": lanes}
-        for name, ops in (("fused", fused_ops()), ("unfused", unfused_ops())):
-            spec.verify_ops = ops
-            if spec.graphs is not None:
-                spec.graphs = type(spec.graphs)(model, engine.pool, ops, args.width, spec.tap_layer_ids)
-                spec.graphs.run(batch)  # capture outside the timing
-            run_verify = (lambda: spec.graphs.run(batch)) if spec.graphs else \
-                (lambda: model.verify(batch, engine.pool, ops, spec.tap_layer_ids))
-            row[f"{name}_verify_ms"] = time_ms(run_verify, 3, 10)
+        for name, kernels in (("fused", "triton"), ("unfused", "reference")):
+            engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len, kernels)
+            graphs = engine.config.cuda_graphs
+            inputs = verify_inputs(engine)
+            row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
             row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
+            engine = None  # free its pool before the next engine
+            torch.cuda.empty_cache()
         row["weight_read_ms"] = limit
         row["verify/limit"] = row["fused_verify_ms"] / limit
         row["round/limit"] = row["fused_round_ms"] / limit
         row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
         rows.append(row)
-        torch.cuda.empty_cache()
     print(f"weight bytes read per forward {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
           f"weight-read limit {limit:.2f} ms; W = {args.width}; CUDA graphs: "
           f"{'on' if graphs else 'off'}")

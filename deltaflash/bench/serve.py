@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltaflash.bench.common import machine, print_table, write_json
-from deltaflash.cli import _engine_args
+from deltaflash.engine.args import add_engine_args
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Trace:
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="load test of `deltaflash serve`: concurrent streaming clients on loopback")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--url", default=None, help="an already running server (default: start one on 127.0.0.1)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-concurrency", type=int, default=8, help="slots of the server this bench starts")

@@ -1,38 +1,76 @@
 """The commit transaction: advance each lane's persistent state by its accepted verify rows.
 
-Validation of every lane happens before any mutation; a bad plan raises CommitRejectedError and
-leaves the pool unchanged.
+Everything is validated on the host before the first write (lanes, slots, committed lengths, accepted
+counts, accepted node paths, the shapes of the verify outputs); a bad plan raises CommitRejectedError
+and leaves the pool unchanged. The plan's host mirrors were read at the round's one sync, so
+validation asks nothing of the device.
 """
 
 from __future__ import annotations
 
-import torch
-
 from deltaflash.cache.slots import SlotPool
-from deltaflash.engine.batch import CommitPlan, VerifyOutput
+from deltaflash.core.batch import CommitPlan, VerifyOutput, to_device
 from deltaflash.errors import CommitRejectedError
+from deltaflash.ops.kernels import Kernels
 
 
-def validate_plan(pool: SlotPool, plan: CommitPlan, width: int) -> None:
-    live = [s for s in plan.slot_ids_host if s >= 0]
-    if len(set(live)) != len(live):
-        raise CommitRejectedError(f"duplicate slot ids in commit: {list(plan.slot_ids_host)}")
-    for lane, (slot, n) in enumerate(zip(plan.slot_ids_host, plan.accepted_len_host)):
-        if slot >= pool.num_slots or slot < -1:
+def validate_plan(pool: SlotPool, plan: CommitPlan, out: VerifyOutput) -> None:
+    """Raise CommitRejectedError unless every lane of `plan` can be committed from `out` into `pool`."""
+    L = len(plan.slot_ids_host)
+    G, L_out, W = out.replay_log.shape[:3]
+    _, G_pool, nv, dk, dv = pool.recurrent_state.shape
+    expect = {
+        "replay_log": (tuple(out.replay_log.shape), (G_pool, L, W, nv, 1 + dk + dv)),
+        "conv_windows": (tuple(out.conv_windows.shape),
+                         (G_pool, L, pool.conv_history.shape[2], pool.conv_history.shape[3] + W)),
+        "accepted_nodes": (tuple(plan.accepted_nodes.shape), (L, W)),
+        "accepted_len": (tuple(plan.accepted_len.shape), (L,)),
+        "slot_ids": (tuple(plan.slot_ids.shape), (L,)),
+    }
+    for name, (got, want) in expect.items():
+        if got != want:
+            raise CommitRejectedError(f"{name} is {list(got)}, expected {list(want)} for {L} lanes of width {W}")
+    if len(plan.accepted_len_host) != L or len(plan.start_host) != L:
+        raise CommitRejectedError(f"plan: {L} slot ids, {len(plan.accepted_len_host)} accepted lengths, "
+                                  f"{len(plan.start_host)} starts")
+    if not plan.chain_host and (plan.accepted_nodes_host is None or plan.parents_host is None):
+        raise CommitRejectedError("plan: a tree commit needs accepted_nodes_host and parents_host")
+    seen = set()
+    for lane, (slot, n, start) in enumerate(zip(plan.slot_ids_host, plan.accepted_len_host, plan.start_host)):
+        if slot == -1:
+            continue
+        if not 0 <= slot < pool.num_slots:
             raise CommitRejectedError(f"lane {lane}: slot {slot} out of range 0..{pool.num_slots - 1}")
-        if not 0 <= n <= width:
-            raise CommitRejectedError(f"lane {lane}: accepted_len {n} outside 0..{width}")
-        if slot >= 0 and plan.start_host[lane] + n > pool.max_len:
-            raise CommitRejectedError(f"lane {lane}: commit past max_len {pool.max_len}")
+        if slot in seen:
+            raise CommitRejectedError(f"duplicate slot ids in commit: {list(plan.slot_ids_host)}")
+        seen.add(slot)
+        if not 0 <= n <= W:
+            raise CommitRejectedError(f"lane {lane}: accepted_len {n} outside 0..{W}")
+        if start != pool.lengths[slot]:
+            raise CommitRejectedError(f"lane {lane}: rows verified from position {start}, but slot {slot} "
+                                      f"holds {pool.lengths[slot]} committed positions")
+        if start + n > pool.max_len:
+            raise CommitRejectedError(f"lane {lane}: commit past max_len {pool.max_len} ({start} + {n})")
+        if not plan.chain_host:
+            _check_path(lane, plan.accepted_nodes_host[lane][:n], plan.parents_host[lane], W)
 
 
-def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, verify_ops) -> None:
-    """Replay the accepted prefix into the recurrent state, rebuild conv history from the windows,
+def _check_path(lane: int, path, parents, width: int) -> None:
+    """path: node ids in token order, a root path of the tree `parents` (parents[0] = -1)."""
+    previous = -1
+    for node in path:
+        if not 0 <= node < width or parents[node] != previous:
+            raise CommitRejectedError(f"lane {lane}: accepted nodes {list(path)} are not a root path of the "
+                                      f"verified tree (parents {list(parents)})")
+        previous = node
+
+
+def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels) -> None:
+    """Replay the accepted rows into the recurrent state, rebuild conv history from the windows,
     move accepted tree rows' K/V to their positions and set the committed lengths."""
-    width = out.replay_log.shape[2]
-    validate_plan(pool, plan, width)
-    verify_ops.replay_commit(pool.recurrent_state, out.replay_log, plan.slot_ids, plan.accepted_nodes, plan.accepted_len)
-    verify_ops.conv_commit(pool.conv_history, out.conv_windows, plan.slot_ids, plan.accepted_nodes, plan.accepted_len)
+    validate_plan(pool, plan, out)
+    kernels.replay_commit(pool.recurrent_state, out.replay_log, plan)
+    kernels.conv_commit(pool.conv_history, out.conv_windows, plan)
     _compact_tree_rows(pool, plan)
     for slot, start, n in zip(plan.slot_ids_host, plan.start_host, plan.accepted_len_host):
         if slot >= 0:
@@ -41,17 +79,16 @@ def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, verify_ops) -> N
 
 def _compact_tree_rows(pool: SlotPool, plan: CommitPlan) -> None:
     """Verify stored row n at start + n; the accepted path's t-th node belongs at start + t.
-    A chain's path is 0, 1, 2, ... so nothing moves."""
+    A chain's path is 0, 1, 2, ... so nothing moves. Sources are read before any row is written."""
     if plan.chain_host:
         return
-    W = plan.accepted_nodes.shape[1]
-    chain = torch.arange(W, device=plan.accepted_nodes.device)
-    steps = torch.arange(W, device=plan.accepted_nodes.device)[None] < plan.accepted_len[:, None]
-    moved = (plan.accepted_nodes != chain) & steps & (plan.slot_ids[:, None] >= 0)
-    if not bool(moved.any()):
+    moves = [(slot, start + node, start + t)
+             for slot, start, n, path in zip(plan.slot_ids_host, plan.start_host, plan.accepted_len_host,
+                                             plan.accepted_nodes_host)
+             if slot >= 0 for t, node in enumerate(path[:n]) if node != t]
+    if not moves:
         return
-    lane, t = moved.nonzero(as_tuple=True)
-    start = torch.tensor(plan.start_host, device=lane.device)[lane]
-    slot, src, dst = plan.slot_ids[lane], start + plan.accepted_nodes[lane, t], start + t
+    device = pool.key_cache.device
+    slot, src, dst = (to_device(column, device) for column in zip(*moves))
     for cache in (pool.key_cache, pool.value_cache):
         cache[slot, :, dst] = cache[slot, :, src].clone()

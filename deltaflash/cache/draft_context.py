@@ -9,15 +9,9 @@ Rows that are not valid read as zeros, so stale or uninitialised storage never r
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-from deltaflash.models.dflash_config import DraftConfig
-
-if TYPE_CHECKING:
-    from deltaflash.models.dflash import DFlashDrafter
 
 
 @dataclass(frozen=True)
@@ -39,13 +33,14 @@ class DraftContextCache:
     """Owner of the drafter's persistent context K/V; one slot per live sequence."""
 
     def __init__(
-        self, config: DraftConfig, *, num_slots: int, max_model_len: int,
-        dtype: torch.dtype, device: str | torch.device,
+        self, *, num_slots: int, max_model_len: int, num_layers: int, num_kv_heads: int, head_dim: int,
+        ring_window: int | None, dtype: torch.dtype, device: str | torch.device,
     ) -> None:
+        """ring_window: the drafter's window when every layer is windowed (DraftConfig.ring_window), else None."""
         self.num_slots = num_slots
-        self.ring = config.ring_window is not None
-        self.capacity = min(config.ring_window, max_model_len) if self.ring else max_model_len
-        shape = (num_slots + 1, config.num_layers, self.capacity, config.num_kv_heads, config.head_dim)
+        self.ring = ring_window is not None
+        self.capacity = min(ring_window, max_model_len) if self.ring else max_model_len
+        shape = (num_slots + 1, num_layers, self.capacity, num_kv_heads, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
@@ -58,16 +53,13 @@ class DraftContextCache:
         return torch.where(slot_ids < 0, self.num_slots, slot_ids)  # padding -> sink slot
 
     @torch.no_grad()
-    def append(self, drafter: "DFlashDrafter", slot_ids: Tensor, positions: Tensor, tap_features: Tensor) -> None:
-        """Project committed rows once and store them.
-
-        slot_ids [N] (-1 = padding), positions [N] int64 (< max_model_len), tap_features [N, T*H]:
-        the target hidden states after layers target_layer_ids, concatenated in that order.
-        A slot's rows must continue its context: positions length, length + 1, ... in order.
-        """
+    def append(self, slot_ids: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Store committed rows: slot_ids [N] (-1 = padding: written to the sink), positions [N] int64
+        (< max_model_len), keys / values [N, layers, nk, hd] (the drafter's projection of the rows'
+        target features). A slot's rows must continue its context: positions length, length + 1, ...
+        No host sync (CUDA-graph safe)."""
         if slot_ids.numel() == 0:
             return
-        keys, values = drafter.project_context(tap_features, positions)  # [N, layers, nk, hd]
         slots = self._slot_index(slot_ids)
         positions = torch.where(slot_ids < 0, 0, positions)
         self.lengths.scatter_reduce_(0, slots, positions + 1, reduce="amax")

@@ -1,8 +1,9 @@
 """The slot pool: persistent per-sequence state of the target model.
 
 One slot owns one live sequence: GDN conv history and fp32 recurrent state for every GDN layer, and
-the attention K/V of every full-attention layer. Admission resets a slot, retirement frees it;
-no state is ever shared between slots.
+the attention K/V of every full-attention layer. The scheduler hands slots out (`SlotTable`, host
+only); the runner resets a slot's device state at admission (`SlotPool.reset`). No state is ever
+shared between slots.
 """
 
 from __future__ import annotations
@@ -37,13 +38,28 @@ class SlotPool:
         self.key_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.value_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.lengths = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     def kv_write_slots(self, slot_ids, rows_valid):
         """slot_ids [L] (-1 padding), rows_valid [L, T] bool -> [L, T] slot to write each row's K/V to
         (the sink for padding lanes and padding rows)."""
         keep = rows_valid & (slot_ids >= 0)[:, None]
         return torch.where(keep, slot_ids[:, None], self.kv_sink)
+
+    def reset(self, slot: int) -> None:
+        """Every part of a slot back to the empty sequence (admission). K/V past the length are never read."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        self.conv_history[slot].zero_()
+        self.recurrent_state[slot].zero_()
+        self.lengths[slot] = 0
+
+
+class SlotTable:
+    """Which slots hold a live sequence (host only; the scheduler owns it). Slot 0 is handed out first."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
@@ -53,18 +69,12 @@ class SlotPool:
     def num_live(self) -> int:
         return self.num_slots - len(self._free)
 
-    def admit(self) -> int:
-        """Take a free slot and reset every part of it."""
+    def take(self) -> int:
         if not self._free:
             raise SlotsExhaustedError(f"all {self.num_slots} slots hold live sequences; retire one or raise --max-concurrency")
-        slot = self._free.pop()
-        self.conv_history[slot].zero_()
-        self.recurrent_state[slot].zero_()
-        self.lengths[slot] = 0  # K/V past the length are never read
-        return slot
+        return self._free.pop()
 
-    def retire(self, slot: int) -> None:
+    def give_back(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not live")
-        self.lengths[slot] = 0
         self._free.append(slot)

@@ -1,17 +1,21 @@
-"""CUDA graphs captured per lane bucket: the verify forward, and any lane-batched function (the
-drafter's block forward, its context append).
+"""CUDA graphs of lane-batched functions, all captured at engine start.
 
-A round with L lanes replays the graph of the smallest bucket >= L. Inputs are copied into the
-bucket's static buffers; the lanes past L are padding lanes (slot id -1: they read zeros, their
-K/V rows go to the pool's sink and no state is touched), so padding costs nothing to correctness.
-Attention reads a fixed number of cache rows (the pool's max_len) so every replay has one shape.
+A function registered here (the target's verify forward at each width in use, the drafter's block
+forward and context append) takes tensors whose first dim is the lanes. Its static inputs are
+allocated once at the largest bucket; the graph of bucket b reads their first b lanes. A call with L
+lanes copies the inputs into the static buffers, fills lanes L..b-1 with each input's padding value
+(slot id -1: padding lanes read zeros and write only to sinks), replays bucket b = the smallest
+bucket >= L and returns the outputs' first L lanes. Every graph lives in one memory pool; buckets are
+captured largest first, so the smaller graphs reuse its memory. A call with more lanes than the
+largest bucket returns None: the caller runs the function eagerly.
 """
 
 from __future__ import annotations
 
-import torch
+import time
+from collections.abc import Callable, Sequence
 
-from deltaflash.engine.batch import VerifyBatch, VerifyOutput
+import torch
 
 LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -31,87 +35,67 @@ def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, obje
     return graph, out
 
 
-class VerifyGraphRunner:
-    def __init__(self, model, pool, verify_ops, width: int, tap_layer_ids=(), buckets=LANE_BUCKETS):
-        self.model, self.pool, self.verify_ops = model, pool, verify_ops
-        self.width, self.tap_layer_ids, self.buckets = width, tuple(tap_layer_ids), tuple(sorted(buckets))
-        self.device = model.embed_tokens.weight.device
-        self.memory_pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, VerifyBatch, VerifyOutput]] = {}
-
-    def bucket(self, lanes: int) -> int | None:
-        return next((b for b in self.buckets if b >= lanes), None)
-
-    def _static_batch(self, lanes: int) -> VerifyBatch:
-        W, dev = self.width, self.device
-        chain = torch.arange(W, device=dev)
-        return VerifyBatch(
-            input_ids=torch.zeros(lanes, W, dtype=torch.long, device=dev),
-            parents=(chain - 1).expand(lanes, W).contiguous(),
-            positions=chain.expand(lanes, W).contiguous(),
-            slot_ids=torch.full((lanes,), -1, dtype=torch.long, device=dev),
-            start=torch.zeros(lanes, dtype=torch.long, device=dev),
-            slot_ids_host=(-1,) * lanes, start_host=(0,) * lanes, chain_host=True)
-
-    def _forward(self, batch: VerifyBatch) -> VerifyOutput:
-        return self.model.verify(batch, self.pool, self.verify_ops, self.tap_layer_ids, kmax=self.pool.max_len)
-
-    def _capture(self, lanes: int):
-        static = self._static_batch(lanes)
-        graph, out = capture(lambda: self._forward(static), self.memory_pool)
-        self._graphs[lanes] = (graph, static, out)
-        return self._graphs[lanes]
-
-    def run(self, batch: VerifyBatch) -> VerifyOutput | None:
-        """Replay the bucket's graph for `batch` (chains of width W: the graphs run the chain-only
-        kernel); None when no bucket fits or the batch is not known to be chains."""
-        L = batch.num_lanes
-        bucket = self.bucket(L)
-        if bucket is None or batch.width != self.width or not batch.chain_host:
-            return None
-        graph, static, out = self._graphs.get(bucket) or self._capture(bucket)
-        static.input_ids[:L].copy_(batch.input_ids)
-        static.parents[:L].copy_(batch.parents)
-        static.positions[:L].copy_(batch.positions)
-        static.slot_ids[:L].copy_(batch.slot_ids)
-        static.start[:L].copy_(batch.start)
-        if L < bucket:
-            static.slot_ids[L:].fill_(-1)
-            static.input_ids[L:].zero_()
-            static.start[L:].zero_()
-            static.positions[L:].copy_(torch.arange(self.width, device=self.device).expand(bucket - L, -1))
-        graph.replay()
-        return VerifyOutput(logits=out.logits[:L], taps=None if out.taps is None else out.taps[:L],
-                            conv_windows=out.conv_windows[:, :L], replay_log=out.replay_log[:, :L])
+def buckets_for(max_lanes: int, buckets: Sequence[int] = LANE_BUCKETS) -> tuple[int, ...]:
+    """The buckets an engine of `max_lanes` lanes can meet: up to the first one >= max_lanes."""
+    top = next((b for b in buckets if b >= max_lanes), buckets[-1])
+    return tuple(b for b in buckets if b <= top)
 
 
 class LaneGraphs:
-    """CUDA graphs of `fn(*inputs)`, one per lane bucket. Every input and output has the lanes as its
-    first dim. A call with L lanes replays the smallest bucket >= L; lanes past L get `pad_values`
-    (one per input: slot ids -1, so padding reads nothing and writes only to sinks). `run` returns
-    None when no bucket fits (the caller runs fn eagerly)."""
+    """One function's graphs, one per bucket. inputs: per input (per-lane shape, dtype, padding value)."""
 
-    def __init__(self, fn, pad_values: tuple, buckets=LANE_BUCKETS):
-        self.fn, self.pad_values, self.buckets = fn, pad_values, tuple(sorted(buckets))
-        self.memory_pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, tuple]] = {}
+    def __init__(self, name: str, fn: Callable, inputs: Sequence[tuple], buckets: tuple[int, ...], device, pool):
+        self.name, self.fn, self.buckets, self.pool = name, fn, buckets, pool
+        self.pads = tuple(pad for _, _, pad in inputs)
+        self.static = tuple(torch.full((buckets[-1], *shape), pad, dtype=dtype, device=device)
+                            for shape, dtype, pad in inputs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
 
-    def _capture(self, bucket: int, inputs: tuple):
-        static = tuple(torch.full((bucket, *x.shape[1:]), pad, dtype=x.dtype, device=x.device)
-                       for x, pad in zip(inputs, self.pad_values))
-        graph, out = capture(lambda: self.fn(*static), self.memory_pool)  # warmed up on padding lanes
-        self._graphs[bucket] = (graph, static, out if isinstance(out, tuple) else (out,))
-        return self._graphs[bucket]
+    def capture(self, bucket: int) -> None:
+        graph, out = capture(lambda: self.fn(*(s[:bucket] for s in self.static)), self.pool)
+        self.graphs[bucket] = (graph, out if isinstance(out, tuple) else (out,))
 
     def run(self, *inputs: torch.Tensor) -> tuple | None:
         L = inputs[0].shape[0]
         bucket = next((b for b in self.buckets if b >= L), None)
         if bucket is None:
             return None
-        graph, static, out = self._graphs.get(bucket) or self._capture(bucket, inputs)
-        for buffer, x, pad in zip(static, inputs, self.pad_values):
+        graph, out = self.graphs[bucket]
+        for buffer, x, pad in zip(self.static, inputs, self.pads):
             buffer[:L].copy_(x)
             if L < bucket:
-                buffer[L:].fill_(pad)
+                buffer[L:bucket].fill_(pad)
         graph.replay()
-        return tuple(o[:L] for o in out)
+        return tuple(None if o is None else o[:L] for o in out)
+
+
+class CudaGraphs:
+    """Every CUDA graph of one engine: one memory pool, one set of lane buckets. Functions register
+    with `add`; `capture_all` captures them all at start (largest bucket first)."""
+
+    def __init__(self, max_lanes: int, device):
+        self.buckets = buckets_for(max_lanes)
+        self.device = torch.device(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.functions: list[LaneGraphs] = []
+        self.capture_s = 0.0
+
+    def add(self, name: str, fn: Callable, inputs: Sequence[tuple]) -> LaneGraphs:
+        graphs = LaneGraphs(name, fn, inputs, self.buckets, self.device, self.pool)
+        self.functions.append(graphs)
+        return graphs
+
+    @torch.inference_mode()
+    def capture_all(self, progress: bool = False) -> float:
+        """Capture every registered function at every bucket; returns the seconds it took."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        jobs = [(bucket, graphs) for bucket in reversed(self.buckets) for graphs in self.functions]
+        with tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
+            for bucket, graphs in bar:
+                bar.set_postfix_str(f"{graphs.name}, {bucket} lanes")
+                graphs.capture(bucket)
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        return self.capture_s

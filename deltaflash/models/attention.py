@@ -8,6 +8,7 @@ from torch import nn
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
 from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm, apply_rope, masked_attention
+from deltaflash.ops.kernels import Kernels
 
 
 class GatedAttention(MergedProjections):
@@ -25,7 +26,7 @@ class GatedAttention(MergedProjections):
         self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, slot_ids, store_index, visible, pool: SlotPool, write_slots):
+    def forward(self, x, rope, slot_ids, store_index, visible, pool: SlotPool, write_slots, kernels: Kernels):
         """x [L, T, H]; rope (cos, sin) [L, T, rd]; slot_ids [L] (-1 padding);
         store_index [L, T] cache row where each row's K/V is stored; visible [L, T, Kmax] bool mask
         over cache rows 0..Kmax-1; write_slots [L, T] the slot each row's K/V goes to (the pool's sink
@@ -34,8 +35,8 @@ class GatedAttention(MergedProjections):
         a_i = self.attn_index
         q, k, v = self.project(x)
         q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q), *rope)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd))), *rope)
+        q = apply_rope(self.q_norm(q, kernels), *rope)
+        k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
         v = v.unflatten(-1, (self.nkv, self.hd))
 
         pos = store_index.clamp(max=pool.max_len - 1)

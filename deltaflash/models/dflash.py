@@ -21,15 +21,12 @@ RMSNorm is Qwen3's plain one: w * (x * rsqrt(mean(x^2) + eps)), normalised in fp
 Parameter names are the checkpoint's own; the DFlash2 codebooks are bare parameters [V, rank].
 """
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 from torch.nn import functional as F
-from tqdm import tqdm
 
 from deltaflash.cache.draft_context import ContextView
 from deltaflash.errors import (
@@ -39,6 +36,7 @@ from deltaflash.errors import (
     TensorShapeError,
     UnsupportedModelError,
 )
+from deltaflash.models.checkpoint import Checkpoint
 from deltaflash.models.dflash_config import DraftConfig, read_draft_config
 from deltaflash.models.layers import masked_attention
 
@@ -254,18 +252,13 @@ def load_drafter(
     with torch.device("meta"):
         drafter = DFlashDrafter(config, vocab_size=target_vocab_size)
     expected = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
-    located = _locate_tensors(folder, expected, config.variant)
+    checkpoint = Checkpoint(folder)
+    located = _locate_tensors(checkpoint, expected, config.variant)
     for name, shape in expected.items():
         if name not in located:
             raise MissingTensorError(f"{folder}: tensor '{name}' (shape {list(shape)}) is in no safetensors file")
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (file, stored) in located.items():
-        by_file.setdefault(file, []).append((name, stored))
-    state = {}
-    for file in tqdm(sorted(by_file), desc=f"drafter {folder.name}", unit="shard", disable=None):
-        with safe_open(file, framework="pt", device="cpu") as reader:
-            for name, stored in by_file[file]:
-                state[name] = reader.get_tensor(stored).to(device=device, dtype=dtype)
+    loaded = checkpoint.read(located.values(), dtype, device, desc=f"drafter {folder.name}", progress=None)
+    state = {name: loaded.pop(stored) for name, stored in located.items()}
     drafter.load_state_dict(state, strict=True, assign=True)
     return drafter.eval().requires_grad_(False)
 
@@ -301,40 +294,26 @@ def _canonical_name(stored: str) -> str | None:
 
 
 def _locate_tensors(
-    folder: Path, expected: dict[str, tuple[int, ...]], variant: str
-) -> dict[str, tuple[Path, str]]:
-    """parameter name -> (file, stored name), after checking every stored tensor's name and shape."""
-    index = folder / "model.safetensors.index.json"
-    try:
-        names = json.loads(index.read_text())["weight_map"].values() if index.exists() else None
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        raise CheckpointError(f"{index}: cannot read its 'weight_map' ({exc!r})") from None
-    files = sorted({folder / n for n in names} if names is not None else folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors file and no model.safetensors.index.json")
-    located: dict[str, tuple[Path, str]] = {}
-    for file in files:
-        if not file.exists():
-            raise CheckpointError(f"{index}: names shard '{file.name}', which is not in {folder}")
-        try:
-            with safe_open(file, framework="pt", device="cpu") as reader:
-                stored_shapes = {k: tuple(reader.get_slice(k).get_shape()) for k in reader.keys()}
-        except Exception as exc:  # safetensors raises its own error types for damaged files
-            raise CheckpointError(f"{file}: cannot read it as safetensors ({exc})") from None
-        for stored, shape in stored_shapes.items():
-            name = _canonical_name(stored)
-            if name is None:
-                continue
-            if name not in expected:
-                raise UnsupportedModelError(
-                    f"{file}: tensor '{stored}' is not a parameter of a {variant} drafter with this config.json"
-                )
-            if name in located:
-                first_file, first_name = located[name]
-                raise CheckpointError(f"{file}: tensor '{stored}' duplicates '{first_name}' of {first_file}")
-            if shape != expected[name]:
-                raise TensorShapeError(
-                    f"{file}: tensor '{stored}' has shape {list(shape)}, expected {list(expected[name])}"
-                )
-            located[name] = (file, stored)
+    checkpoint: Checkpoint, expected: dict[str, tuple[int, ...]], variant: str
+) -> dict[str, str]:
+    """parameter name -> stored name, after checking every stored tensor's name and shape (headers only)."""
+    located: dict[str, str] = {}
+    for stored, info in checkpoint.tensors.items():
+        name = _canonical_name(stored)
+        if name is None:
+            continue
+        if name not in expected:
+            raise UnsupportedModelError(
+                f"{info.file}: tensor '{stored}' is not a parameter of a {variant} drafter with this config.json"
+            )
+        if name in located:  # e.g. a codebook stored both with and without `.weight`
+            first = located[name]
+            raise CheckpointError(
+                f"{info.file}: tensor '{stored}' duplicates '{first}' of {checkpoint.tensors[first].file}"
+            )
+        if info.shape != expected[name]:
+            raise TensorShapeError(
+                f"{info.file}: tensor '{stored}' has shape {list(info.shape)}, expected {list(expected[name])}"
+            )
+        located[name] = stored
     return located

@@ -7,8 +7,9 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.engine.batch import ExtendBatch, VerifyBatch
+from deltaflash.core.batch import ExtendBatch, VerifyBatch
 from deltaflash.models.layers import GatedRMSNorm, MergedProjections
+from deltaflash.ops.kernels import Kernels
 from deltaflash.ops.conv.extend import causal_conv_extend
 from deltaflash.ops.gdn.chunk import (
     chunk_gated_delta_rule_varlen,
@@ -58,12 +59,12 @@ class GatedDeltaNet(MergedProjections):
         q = l2_normalize(q) * self.dk ** -0.5
         return self._repeat_key_heads(q), self._repeat_key_heads(l2_normalize(k))
 
-    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def _output(self, o: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """o [..., nv, dv], z [..., nv*dv] -> out_proj(gated norm)."""
-        o = self.norm(o.to(z.dtype), z.unflatten(-1, (self.nv, self.dv)))
+        o = self.norm(o.to(z.dtype), z.unflatten(-1, (self.nv, self.dv)), kernels)
         return self.out_proj(o.flatten(-2))
 
-    def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
         """x [L, T, H] normed hidden. Reads and writes the lanes' conv history and recurrent state."""
         L, T, _ = x.shape
         g_i = self.gdn_index
@@ -92,18 +93,18 @@ class GatedDeltaNet(MergedProjections):
                                                             batch.cu_seqlens, batch.cu_seqlens_host)
             o.flatten(0, 1)[batch.packed_rows] = o_packed
         pool.recurrent_state[slot_idx, g_i] = state
-        return self._output(o, z)
+        return self._output(o, z, kernels)
 
-    def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, verify_ops, window: torch.Tensor,
+    def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, window: torch.Tensor,
                replay_log: torch.Tensor) -> torch.Tensor:
         """x [L, W, H] -> out [L, W, H]. Persistent state is read only; this layer's conv window
         [L, C, K-1+W] (x's dtype) and replay log [L, W, nv, 1+dk+dv] (fp32) are written into the
         given contiguous tensors (one layer of the round's stacked outputs)."""
         g_i = self.gdn_index
         qkv, z, b, a = self.project(x)  # column views of one GEMM output
-        conv_out, _ = verify_ops.conv_tree_step(
+        conv_out, _ = kernels.conv_tree_step(
             qkv, pool.conv_history[:, g_i], batch.slot_ids, batch.parents, self.conv_weight, window_out=window)
         q, k, v = self._split_qkv(conv_out)
-        o, _ = verify_ops.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, pool.recurrent_state[:, g_i],
+        o, _ = kernels.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, pool.recurrent_state[:, g_i],
                                      batch.slot_ids, batch.parents, replay_log_out=replay_log, chains=batch.chain_host)
-        return self._output(o, z)
+        return self._output(o, z, kernels)

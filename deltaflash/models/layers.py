@@ -1,4 +1,5 @@
-"""Building blocks of the Qwen3.5 text stack (plain torch; the norms run ops/norm kernels on CUDA)."""
+"""Building blocks of the Qwen3.5 text stack. Ops with a kernel (norms, MoE experts) run the
+implementation of the `Kernels` set passed to the forward (ops/kernels.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from deltaflash.ops.norm.naive import gated_rms_norm_ref, zero_centered_rms_norm_ref
-from deltaflash.ops.norm.rms_norm import gated_rms_norm, zero_centered_rms_norm
-from deltaflash.ops.verify_route import fused_disabled
+from deltaflash.ops.kernels import Kernels
 
 # Not cuDNN: it builds a new graph for every new key length (~8 ms of host time per call), and decode
 # and drafting see a new key length every round.
 _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _norm_kernels(x: torch.Tensor) -> bool:
-    """Norms run as one Triton launch each on CUDA (ops/norm), unless fused kernels are switched off."""
-    return x.is_cuda and not fused_disabled()
 
 
 class MergedProjections(nn.Module):
@@ -69,10 +63,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _norm_kernels(x):
-            return zero_centered_rms_norm(x, self.weight, self.eps)
-        return zero_centered_rms_norm_ref(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.zero_centered_rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -83,10 +75,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if _norm_kernels(o):
-            return gated_rms_norm(o, z, self.weight, self.eps)
-        return gated_rms_norm_ref(o, z, self.weight, self.eps)
+    def forward(self, o: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.gated_rms_norm(o, z, self.weight, self.eps)
 
 
 class SwiGLU(MergedProjections):
@@ -129,19 +119,15 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         router_logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(router_logits.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            token, which = torch.where(experts == e)
-            gate, up = F.linear(x[token], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * weights[token, which, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        # ops/moe: no host sync in either implementation, so MoE layers can be graph-captured
+        out = kernels.moe_experts(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (out + shared).reshape(shape)
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from deltaflash.config import ModelConfig
-from deltaflash.errors import CheckpointError, MissingTensorError, TensorShapeError
+from deltaflash.errors import MissingTensorError, TensorShapeError
+from deltaflash.models.checkpoint import Checkpoint
 from deltaflash.models.qwen3_5 import Qwen35Model
 
 # Text weights live under one of these prefixes; everything else (model.visual.*, mtp.*) is skipped.
 _PREFIXES = ("model.language_model.", "model.")
-_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+_FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # [E, 2I, H], [E, H, I]
 
 
 def default_device() -> torch.device:
@@ -26,84 +24,66 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def shard_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from the index when there is one."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({folder / name for name in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{index}: lists shard {f.name}, which is not in {folder}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
-    return files
-
-
 def load_model(folder: str | Path, dtype: torch.dtype | None = None, device=None,
                progress: bool = True) -> Qwen35Model:
-    """Build the model from `folder`. Fails fast with a typed error naming the file and tensor."""
+    """Build the model from `folder`. Fails fast with a typed error naming the file and tensor:
+    every name and shape is checked against config.json before any tensor data is read."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    files = shard_files(folder)
+    checkpoint = Checkpoint(folder)
     with torch.device("meta"):
         model = Qwen35Model(cfg)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
-    keys = {}  # checkpoint key -> file
-    for f in files:
-        with safe_open(str(f), "pt") as handle:
-            for key in handle.keys():
-                keys[key] = f
-    prefix = next((p for p in _PREFIXES if any(k.startswith(p + "layers.") or k.startswith(p + "embed_tokens.") for k in keys)), "model.")
+    stored = checkpoint.tensors
+    prefix = next((p for p in _PREFIXES if any(k.startswith((p + "layers.", p + "embed_tokens.")) for k in stored)),
+                  "model.")
 
     def checkpoint_key(name: str) -> str:
         return name if name == "lm_head.weight" else prefix + name
 
-    wanted: dict[str, str] = {}  # checkpoint key -> model name (or per-expert part)
-    for name in expected:
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and checkpoint_key(name) not in keys:
-            base = checkpoint_key(name).rsplit(".", 1)[0]
-            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-            for e in range(cfg.num_experts):
-                for part in parts:
-                    wanted[f"{base}.{e}.{part}.weight"] = name
+    wanted: dict[str, tuple[int, ...]] = {}  # checkpoint key -> its shape as config.json implies
+    for name, shape in expected.items():
+        key = checkpoint_key(name)
+        if name.endswith(_FUSED_EXPERTS) and key not in stored:
+            wanted.update(_expert_parts(key, shape))
         else:
-            wanted[checkpoint_key(name)] = name
-    missing = [k for k in wanted if k not in keys]
+            wanted[key] = shape
+    missing = [k for k in wanted if k not in stored]
     if missing:
         raise MissingTensorError(
-            f"{folder}: tensor {missing[0]!r} is missing from {', '.join(f.name for f in files)}"
+            f"{folder}: tensor {missing[0]!r} is missing from {', '.join(f.name for f in checkpoint.files)}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for key, shape in wanted.items():
+        if stored[key].shape != shape:
+            raise TensorShapeError(f"{stored[key].file}: tensor {key!r} has shape {stored[key].shape}, "
+                                   f"expected {shape} from config.json")
 
-    state: dict[str, torch.Tensor] = {}
-    loaded: dict[str, torch.Tensor] = {}
-    for f in tqdm(files, desc="loading shards", unit="shard", disable=not progress):
-        with safe_open(str(f), "pt") as handle:
-            for key in handle.keys():
-                if key in wanted and keys[key] == f:
-                    loaded[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
-    for key, name in wanted.items():
-        if name not in state and key == checkpoint_key(name):
-            state[name] = loaded[key]
-    for name in expected:
-        if name not in state:  # per-expert tensors, stacked into the fused layout
-            base = checkpoint_key(name).rsplit(".", 1)[0]
-            if name.endswith("gate_up_proj"):
-                state[name] = torch.stack([torch.cat([loaded[f"{base}.{e}.gate_proj.weight"],
-                                                      loaded[f"{base}.{e}.up_proj.weight"]]) for e in range(cfg.num_experts)])
-            else:
-                state[name] = torch.stack([loaded[f"{base}.{e}.down_proj.weight"] for e in range(cfg.num_experts)])
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            key = checkpoint_key(name)
-            raise TensorShapeError(
-                f"{keys.get(key, folder)}: tensor {key!r} has shape {tuple(state[name].shape)}, "
-                f"expected {shape} from config.json")
+    loaded = checkpoint.read(wanted, dtype, device, desc="loading shards", progress=progress)
+    state = {}
+    for name in expected:  # popping each part as it is placed: one copy of the weights at peak
+        key = checkpoint_key(name)
+        state[name] = loaded.pop(key) if key in loaded else _stack_experts(key, cfg.num_experts, loaded)
     model.load_state_dict(state, assign=True, strict=True)
-    del state, loaded  # the merge then frees each part's tensor as it re-homes it: no second copy at peak
+    del state  # the merge then frees each part's tensor as it re-homes it: no second copy at peak
     return model.merge_projections().eval()
+
+
+def _expert_parts(fused_key: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The per-expert checkpoint keys (and shapes) that stack into the fused experts tensor `fused_key`."""
+    base, fused = fused_key.rsplit(".", 1)
+    num_experts, rows, cols = shape
+    if fused == "gate_up_proj":  # [E, 2I, H] <- gate_proj, up_proj [I, H] each
+        return {f"{base}.{e}.{part}.weight": (rows // 2, cols)
+                for e in range(num_experts) for part in ("gate_proj", "up_proj")}
+    return {f"{base}.{e}.down_proj.weight": (rows, cols) for e in range(num_experts)}  # [E, H, I]
+
+
+def _stack_experts(fused_key: str, num_experts: int, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Pop the per-expert tensors of `fused_key` from `loaded` and stack them into its fused layout."""
+    base, fused = fused_key.rsplit(".", 1)
+    parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+    return torch.stack([torch.cat([loaded.pop(f"{base}.{e}.{part}.weight") for part in parts])
+                        for e in range(num_experts)])

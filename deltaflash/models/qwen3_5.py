@@ -13,10 +13,11 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.engine.batch import ExtendBatch, VerifyBatch, VerifyOutput
+from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput
 from deltaflash.models.attention import GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
 from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
+from deltaflash.ops.kernels import Kernels
 
 
 class DecoderLayer(nn.Module):
@@ -27,6 +28,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, cfg.gdn_layer_ids.index(layer_id))
         else:
             self.self_attn = GatedAttention(cfg, cfg.attn_layer_ids.index(layer_id))
+        self.is_moe = cfg.is_moe
         if cfg.is_moe:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
@@ -59,22 +61,24 @@ class Qwen35Model(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head on [..., H] -> fp32 [..., V]."""
-        return torch.nn.functional.linear(self.norm(hidden), self.lm_head_weight).float()
+    def logits(self, hidden: torch.Tensor, kernels: Kernels, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + lm_head on [..., H] -> fp32 [..., V] (written into `out` when given)."""
+        logits = torch.nn.functional.linear(self.norm(hidden, kernels), self.lm_head_weight)
+        return logits.float() if out is None else out.copy_(logits)
 
-    def _run_layers(self, x, attend, gdn, tap_layer_ids):
+    def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
         taps = []
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
+            h = layer.input_layernorm(x, kernels)
             x = x + (gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x, kernels)
+            x = x + (layer.mlp(h, kernels) if layer.is_moe else layer.mlp(h))
             if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
-                taps.append(self.norm(x) if i == len(self.layers) - 1 else x)
+                taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)
 
     @torch.inference_mode()
-    def extend(self, batch: ExtendBatch, pool: SlotPool, tap_layer_ids=(), all_logits: bool = False):
+    def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
         taps [L, T, n_taps*H] or None)."""
         L, T = batch.input_ids.shape
@@ -88,23 +92,25 @@ class Qwen35Model(nn.Module):
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
         write_slots = pool.kv_write_slots(batch.slot_ids, rows_valid)
 
-        attend = lambda attn, h: attn(h, rope, batch.slot_ids, batch.positions, visible, pool, write_slots)  # noqa: E731
-        gdn = lambda mixer, h: mixer.extend(h, batch, pool)  # noqa: E731
-        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
+        attend = lambda attn, h: attn(h, rope, batch.slot_ids, batch.positions, visible, pool, write_slots,  # noqa: E731
+                                      kernels)
+        gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
             if slot >= 0:
                 pool.lengths[slot] = start + n
         if all_logits:
-            return self.logits(x), taps
+            return self.logits(x, kernels), taps
         last = (batch.n_rows - 1).clamp(min=0)
-        return self.logits(x[torch.arange(L, device=device), last]), taps
+        return self.logits(x[torch.arange(L, device=device), last], kernels), taps
 
     @torch.inference_mode()
-    def verify(self, batch: VerifyBatch, pool: SlotPool, verify_ops, tap_layer_ids=(),
-               kmax: int | None = None) -> VerifyOutput:
+    def verify(self, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),
+               kmax: int | None = None, logits_out: torch.Tensor | None = None) -> VerifyOutput:
         """All lanes' W rows in one forward. GDN state is read only; attention K/V of row n is
         written at start + n (past the committed length, so harmless until commit). No host syncs:
-        with a fixed `kmax` (attention reads cache rows < kmax) the forward can be graph-captured."""
+        with a fixed `kmax` (attention reads cache rows < kmax) the forward can be graph-captured.
+        logits_out [L, W, V] fp32: where to write the logits (a CUDA graph's static buffer)."""
         L, W = batch.input_ids.shape
         device = batch.input_ids.device
         x = self.embed_tokens(batch.input_ids)
@@ -124,11 +130,12 @@ class Qwen35Model(nn.Module):
         # each GDN layer writes its slice in place (stacking afterwards would copy them all once more)
         windows = torch.empty(G, L, cfg.conv_channels, cfg.conv_kernel - 1 + W, dtype=x.dtype, device=device)
         logs = torch.empty(G, L, W, cfg.linear_num_value_heads, 1 + dk + dv, dtype=torch.float32, device=device)
-        gdn = lambda mixer, h: mixer.verify(h, batch, pool, verify_ops, windows[mixer.gdn_index],  # noqa: E731
+        gdn = lambda mixer, h: mixer.verify(h, batch, pool, kernels, windows[mixer.gdn_index],  # noqa: E731
                                             logs[mixer.gdn_index])
-        attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, write_slots)  # noqa: E731
-        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids)
-        return VerifyOutput(logits=self.logits(x), taps=taps, conv_windows=windows, replay_log=logs)
+        attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, write_slots, kernels)  # noqa: E731
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
+        return VerifyOutput(logits=self.logits(x, kernels, logits_out), taps=taps, conv_windows=windows,
+                            replay_log=logs)
 
 
 def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

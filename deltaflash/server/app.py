@@ -1,4 +1,4 @@
-"""The HTTP layer: FastAPI routes. Handlers validate, tokenize, submit a job to the scheduler and relay
+"""The HTTP layer: FastAPI routes. Handlers validate, tokenize, submit a job to the worker and relay
 its outputs; they never touch the engine.
 """
 
@@ -26,7 +26,7 @@ from deltaflash.server.metrics import Metrics
 from deltaflash.server.protocol import ApiRequest, parse_chat, parse_completion, parse_json
 from deltaflash.server.relay import collect, stream
 from deltaflash.server.responses import Formatter
-from deltaflash.server.scheduler import Job, Scheduler
+from deltaflash.server.worker import Job, EngineWorker
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,17 @@ class ServerSettings:
     max_body_bytes: int = 32 << 20
 
 
-def build_app(frontend: Frontend, scheduler: Scheduler, metrics: Metrics, settings: ServerSettings,
+def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settings: ServerSettings,
               on_ready: Callable[[], None] | None = None) -> FastAPI:
     card = frontend.card
 
     @asynccontextmanager
     async def lifespan(app):
-        scheduler.start()
+        worker.start()
         if on_ready is not None:
             on_ready()
         yield
-        await asyncio.to_thread(scheduler.close)
+        await asyncio.to_thread(worker.close)
 
     app = FastAPI(title="deltaflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -77,7 +77,7 @@ def build_app(frontend: Frontend, scheduler: Scheduler, metrics: Metrics, settin
 
     @app.get("/health")
     async def health():
-        load = scheduler.load
+        load = worker.load
         status = "ok" if load.alive and not load.draining else ("draining" if load.alive else "failed")
         body = {"status": status, "active_slots": load.active_slots, "queued": load.queued,
                 "max_slots": load.max_slots}
@@ -119,10 +119,10 @@ def build_app(frontend: Frontend, scheduler: Scheduler, metrics: Metrics, settin
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        scheduler.submit(Job(request_id, prep.prompt_ids, prep.params, prep.stop_strings,
+        worker.submit(Job(request_id, prep.prompt_ids, prep.params, prep.stop_strings,
                              lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)))
         fmt = Formatter(chat, request_id, card.name, int(time.time()), req.return_token_ids)
-        cancel = functools.partial(scheduler.cancel, request_id)
+        cancel = functools.partial(worker.cancel, request_id)
         if req.stream:
             return StreamingResponse(stream(outputs, fmt, req.include_usage, cancel), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

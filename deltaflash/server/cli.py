@@ -1,15 +1,15 @@
-"""`deltaflash serve`: the OpenAI-compatible server (FastAPI + uvicorn, one scheduler thread)."""
+"""`deltaflash serve`: the OpenAI-compatible server (FastAPI + uvicorn, one engine worker thread)."""
 
 from __future__ import annotations
 
 import os
 
-from deltaflash.cli import _engine_args
+from deltaflash.engine.args import add_engine_args
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--max-concurrency", type=int, default=8, help="slots: sequences served together")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests admitted beyond the slots to wait for one; more get HTTP 429")

@@ -48,7 +48,7 @@ class QueueFull(ApiError):
 
 
 class ServerUnavailable(ApiError):
-    """The server is draining for shutdown, or its scheduler has failed (503)."""
+    """The server is draining for shutdown, or its engine worker has failed (503)."""
 
     status, type, default_code = 503, "server_error", "unavailable"
 

@@ -1,6 +1,6 @@
 """Validated API requests -> engine inputs: chat template, tokenization, checks against the model.
 
-Runs in the HTTP handlers and owns its own tokenizer instance (the scheduler detokenizes with the
+Runs in the HTTP handlers and owns its own tokenizer instance (the engine worker detokenizes with the
 engine's), so no tokenizer is shared between threads.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaflash.engine.request import SamplingParams
+from deltaflash.core.request import SamplingParams
 from deltaflash.errors import RequestError
 from deltaflash.server.errors import BadRequest, ModelNotFound
 from deltaflash.server.protocol import ApiRequest

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import uvicorn
 
-from deltaflash import cli
+from deltaflash.engine.args import engine_from_args
 from deltaflash.engine.engine import Engine
 from deltaflash.errors import DeltaflashError
 from deltaflash.server.app import ServerSettings, build_app
 from deltaflash.server.frontend import Frontend, ModelCard
 from deltaflash.server.metrics import Metrics
-from deltaflash.server.scheduler import Scheduler, SchedulerConfig
+from deltaflash.server.worker import EngineWorker, WorkerConfig
 from deltaflash.tokenizer import load_tokenizer
 
 
@@ -30,13 +30,7 @@ def serve(args) -> int:
         if value < low:
             raise DeltaflashError(f"{name} must be >= {low}, got {value}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = build_engine(args)
-    block = engine.speculator.block_size if engine.speculator else 0
-    card = ModelCard(args.served_model_name or Path(args.model).resolve().name, engine.cfg.vocab_size,
-                     engine.config.max_model_len, block, int(time.time()))
-    metrics = Metrics(block)
-    scheduler = Scheduler(engine, SchedulerConfig(max_queue=args.max_queue, request_timeout_s=args.request_timeout),
-                          metrics)
+    t0 = time.perf_counter()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -44,35 +38,45 @@ def serve(args) -> int:
     except OSError as exc:
         raise DeltaflashError(f"--host {args.host} --port {args.port}: cannot listen there ({exc})") from None
     port = sock.getsockname()[1]
+    engine = build_engine(args)  # loads, compiles and captures: the server answers only once it is ready
+    block = engine.config.block_size if engine.config.speculative else 0
+    card = ModelCard(args.served_model_name or Path(args.model).resolve().name, engine.cfg.vocab_size,
+                     engine.config.max_model_len, block, int(time.time()))
+    metrics = Metrics(block)
+    worker = EngineWorker(engine, WorkerConfig(max_queue=args.max_queue, request_timeout_s=args.request_timeout),
+                          metrics)
+    started_s = time.perf_counter() - t0
 
     def ready() -> None:
         print(f"deltaflash serve: model {card.name!r} on http://{args.host}:{port} "
-              f"({engine.config.max_slots} slots, queue {args.max_queue})", file=sys.stderr, flush=True)
+              f"({engine.config.max_slots} slots, queue {args.max_queue}); started in {started_s:.1f} s "
+              f"(of which {engine.startup_s:.1f} s compiling kernels and capturing CUDA graphs)",
+              file=sys.stderr, flush=True)
 
-    app = build_app(Frontend(card, load_tokenizer(args.model)), scheduler, metrics,
+    app = build_app(Frontend(card, load_tokenizer(args.model)), worker, metrics,
                     ServerSettings(api_key=args.api_key), on_ready=ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
-    DrainingServer(config, scheduler, args.shutdown_timeout).run(sockets=[sock])
+    DrainingServer(config, worker, args.shutdown_timeout).run(sockets=[sock])
     print("deltaflash serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 
 def build_engine(args) -> Engine:
-    return cli.build_engine(args, max_slots=args.max_concurrency, progress=False, prefill_chunk=args.prefill_chunk)
+    return engine_from_args(args, max_slots=args.max_concurrency, progress=True, prefill_chunk=args.prefill_chunk)
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn where SIGTERM/SIGINT first drain the scheduler (stop admitting; in-flight requests finish
+    """uvicorn where SIGTERM/SIGINT first drain the worker (stop admitting; in-flight requests finish
     or are cancelled at the deadline, so every stream ends with a finish_reason) and the process then
     exits 0 instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, deadline_s: float):
+    def __init__(self, config: uvicorn.Config, worker: EngineWorker, deadline_s: float):
         super().__init__(config)
-        self.scheduler, self.deadline_s = scheduler, deadline_s
+        self.worker, self.deadline_s = worker, deadline_s
 
     def handle_exit(self, sig, frame) -> None:
-        self.scheduler.drain(self.deadline_s)
+        self.worker.drain(self.deadline_s)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager

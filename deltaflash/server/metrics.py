@@ -1,6 +1,6 @@
 """Prometheus metrics of one server, in a registry it owns (no process-wide collectors).
 
-Written by the scheduler thread (rounds, slots, finished requests) and the HTTP handlers (requests
+Written by the engine worker thread (rounds, slots, finished requests) and the HTTP handlers (requests
 rejected before admission); prometheus_client's collectors are thread-safe.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from deltaflash.engine.request import StepReport
+from deltaflash.core.request import StepReport
 
 _PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -1,5 +1,5 @@
 """Relaying a job's outputs to its client: SSE chunks or one JSON body. A client that goes away
-(or a handler that is cancelled) cancels its job, which the scheduler retires at the next round."""
+(or a handler that is cancelled) cancels its job, which the engine worker retires at the next round."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from deltaflash.server.errors import ServerFailure
 from deltaflash.server.responses import DONE, Formatter, sse
-from deltaflash.server.scheduler import Output
+from deltaflash.server.worker import Output
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
 

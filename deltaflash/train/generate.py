@@ -45,7 +45,7 @@ def generate_stream(engine, prompts: list[list[int]], max_new_tokens: int, eos_i
     """(stream [N] int64, doc_offsets [D+1], generated tokens): prompt + greedy continuation +
     end-of-text (unless the continuation ended with it) per prompt, in prompt order. The engine runs
     target-only greedy decoding, batched over its slots."""
-    from deltaflash.engine.request import SamplingParams
+    from deltaflash.core.request import SamplingParams
 
     done, _ = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens), progress=progress)
     docs = [c.prompt_ids + c.token_ids + ([] if c.token_ids[-1] == eos_id else [eos_id]) for c in done]

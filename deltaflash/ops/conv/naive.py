@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaflash.core.batch import to_device
 from deltaflash.errors import CommitRejectedError
 from deltaflash.ops.gdn.naive import check_commit_lanes, gather_slots_ref
 
@@ -96,7 +97,13 @@ def conv_commit_ref(conv_history, windows, state_slot_ids, accepted_nodes, accep
     Validates first (CommitRejectedError, nothing changed)."""
     W = check_conv_commit_shapes(conv_history, windows, state_slot_ids)
     lanes = check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, conv_history.shape[0], W, "conv commit")
+    conv_lanes_ref(conv_history, windows, lanes)
+
+
+def conv_lanes_ref(conv_history, windows, lanes):
+    """conv_commit_ref's update for a validated transaction: lanes [(lane, slot, accepted_len, path)]
+    host values (no host sync)."""
     Km1 = conv_history.shape[3]
     for lane, slot, n_acc, path in lanes:
-        cols = torch.tensor(commit_columns(n_acc, path, Km1), device=windows.device)
+        cols = to_device(commit_columns(n_acc, path, Km1), windows.device)
         conv_history[slot] = windows[:, lane].index_select(2, cols).to(conv_history.dtype)

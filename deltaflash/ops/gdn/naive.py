@@ -202,6 +202,12 @@ def replay_commit_ref(recurrent_state, replay_log, state_slot_ids, accepted_node
     W = check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids)
     lanes = check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, recurrent_state.shape[0], W,
                                "replay commit")
+    replay_lanes_ref(recurrent_state, replay_log, lanes)
+
+
+def replay_lanes_ref(recurrent_state, replay_log, lanes):
+    """replay_commit_ref's update for a validated transaction: lanes [(lane, slot, accepted_len, path)]
+    host values (no host sync)."""
     dk = recurrent_state.shape[3]
     for lane, slot, n_acc, path in lanes:
         s = recurrent_state[slot]  # [G, nv, dk, dv]

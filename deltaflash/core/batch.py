@@ -1,10 +1,25 @@
-"""Data that flows between the stages of a step: small frozen dataclasses, shapes in docstrings."""
+"""Data that flows between the stages of a step: small frozen dataclasses, shapes in docstrings.
+
+Host-built index tensors reach the device through `to_device` (pinned memory, asynchronous copy): a
+plain `torch.tensor(..., device="cuda")` waits for the stream, which would be a host sync per call.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def to_device(values: Sequence | torch.Tensor, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list / CPU tensor on `device` without waiting for the device (pinned, non-blocking copy
+    on CUDA; the caching host allocator keeps the pinned block alive until the copy is done)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -56,16 +71,16 @@ class ExtendBatch:
         live = [i for i, s in enumerate(slots) if s >= 0]
         cu = torch.tensor([0] + [n_rows[i] for i in live], dtype=torch.long).cumsum(0)
         return cls(
-            input_ids=ids.to(device),
-            positions=pos.to(device),
-            slot_ids=torch.tensor(slots, dtype=torch.long).to(device),
-            n_rows=torch.tensor(n_rows, dtype=torch.long).to(device),
+            input_ids=to_device(ids, device),
+            positions=to_device(pos, device),
+            slot_ids=to_device(slots, device),
+            n_rows=to_device(n_rows, device),
             slot_ids_host=tuple(slots),
             n_rows_host=tuple(n_rows),
             start_host=tuple(starts),
-            live_lanes=torch.tensor(live, dtype=torch.long).to(device),
-            packed_rows=torch.tensor([i * T + t for i in live for t in range(n_rows[i])], dtype=torch.long).to(device),
-            cu_seqlens=cu.to(device),
+            live_lanes=to_device(live, device),
+            packed_rows=to_device([i * T + t for i in live for t in range(n_rows[i])], device),
+            cu_seqlens=to_device(cu, device),
             cu_seqlens_host=cu,
         )
 
@@ -98,6 +113,18 @@ class VerifyBatch:
     def width(self) -> int:
         return self.input_ids.shape[1]
 
+    @classmethod
+    def chain(cls, input_ids: torch.Tensor, slot_ids_host: Sequence[int], start_host: Sequence[int]) -> "VerifyBatch":
+        """Every lane a chain: input_ids [L, W] on the device (row 0 the anchor), lane l's rows at
+        positions start_host[l] + 0..W-1 of slot slot_ids_host[l] (-1: padding lane)."""
+        L, W = input_ids.shape
+        device = input_ids.device
+        start = to_device(list(start_host), device)
+        nodes = torch.arange(W, device=device)
+        return cls(input_ids=input_ids, parents=(nodes - 1).expand(L, W).contiguous(),
+                   positions=start[:, None] + nodes, slot_ids=to_device(list(slot_ids_host), device), start=start,
+                   slot_ids_host=tuple(slot_ids_host), start_host=tuple(start_host), chain_host=True)
+
 
 @dataclass(frozen=True)
 class VerifyOutput:
@@ -119,9 +146,10 @@ class CommitPlan:
     """Which verify rows become part of each lane's sequence.
 
     slot_ids [L] long (-1 padding); accepted_nodes [L, W] long (node ids of the accepted path in token
-    order; a chain is arange); accepted_len [L] long in 0..W (rows committed, bonus anchor included).
-    chain_host: the caller knows every accepted path is 0, 1, 2, ... (no K/V rows to move, so the
-    commit need not ask the device).
+    order; a chain is arange); accepted_len [L] long in 0..W (rows committed, the anchor included).
+    `*_host` mirror them on the host (read at the round's one sync), so the commit validates every
+    lane without asking the device. chain_host: every accepted path is 0, 1, 2, ... (no K/V rows move);
+    otherwise accepted_nodes_host gives each lane's path and parents_host the verified trees.
     """
 
     slot_ids: torch.Tensor
@@ -131,3 +159,14 @@ class CommitPlan:
     accepted_len_host: tuple[int, ...]
     start_host: tuple[int, ...]
     chain_host: bool = False
+    accepted_nodes_host: tuple[tuple[int, ...], ...] | None = None
+    parents_host: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def chain(cls, slot_ids: torch.Tensor, accepted_len_host: Sequence[int], slot_ids_host: Sequence[int],
+              start_host: Sequence[int], width: int) -> "CommitPlan":
+        """Chains: lane l commits its first accepted_len_host[l] rows."""
+        L, device = len(slot_ids_host), slot_ids.device
+        return cls(slot_ids=slot_ids, accepted_nodes=torch.arange(width, device=device).expand(L, width).contiguous(),
+                   accepted_len=to_device(list(accepted_len_host), device), slot_ids_host=tuple(slot_ids_host),
+                   accepted_len_host=tuple(accepted_len_host), start_host=tuple(start_host), chain_host=True)

@@ -1,4 +1,4 @@
-"""The scheduler thread and incremental detokenization, in process (no HTTP)."""
+"""The engine worker thread and incremental detokenization, in process (no HTTP)."""
 
 import threading
 import time
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from deltaflash.engine.engine import Engine
-from deltaflash.engine.request import SamplingParams
+from deltaflash.core.request import SamplingParams
 from deltaflash.server.errors import ServerUnavailable
 from deltaflash.server.metrics import Metrics
-from deltaflash.server.scheduler import Job, Scheduler, SchedulerConfig
+from deltaflash.server.worker import EngineWorker, Job, WorkerConfig
 from deltaflash.server.textstream import TextStream
 from tests.server_process import tiny_pair
 
@@ -24,7 +24,7 @@ def folder(tmp_path_factory):
 
 
 class Log:
-    """Outputs of every job in delivery order (sinks run on the scheduler thread)."""
+    """Outputs of every job in delivery order (sinks run on the engine worker thread)."""
 
     def __init__(self):
         self.entries, self.finished, self.lock = [], {}, threading.Lock()
@@ -56,7 +56,7 @@ def solo(folder, prompt, n):
 def test_long_prompt_prefills_in_chunks_while_others_stream(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256,
                                     prefill_chunk=8)
-    sched, log = Scheduler(engine, SchedulerConfig(), Metrics()), Log()
+    sched, log = EngineWorker(engine, WorkerConfig(), Metrics()), Log()
     sched.start()
     sched.submit(job("a", [5, 6, 7], log, 60))
     while not log.entries:
@@ -70,13 +70,13 @@ def test_long_prompt_prefills_in_chunks_while_others_stream(folder):
     assert a_while_b_prefills >= 64 // 8 - 1  # a got a token in every round of b's prefill
     assert sum((o.token_ids for o in out_a), ()) == tuple(solo(folder, [5, 6, 7], 60))
     assert sum((o.token_ids for o in out_b), ()) == tuple(solo(folder, long_prompt, 4))
-    assert engine.pool.num_live == 0 and sched.load.active_slots == 0
+    assert engine.num_live == 0 and sched.load.active_slots == 0
 
 
 def test_request_timeout_retires_at_a_round_boundary(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
     metrics, log = Metrics(), Log()
-    sched = Scheduler(engine, SchedulerConfig(request_timeout_s=0.3), metrics)
+    sched = EngineWorker(engine, WorkerConfig(request_timeout_s=0.3), metrics)
     sched.start()
     t0 = time.monotonic()
     sched.submit(job("slow", [1, 2, 3], log, 250))
@@ -85,12 +85,12 @@ def test_request_timeout_retires_at_a_round_boundary(folder):
     assert time.monotonic() - t0 < 5
     sched.close()
     assert metrics.requests.labels(outcome="timeout")._value.get() == 1
-    assert engine.pool.num_live == 0
+    assert engine.num_live == 0
 
 
 def test_stop_string_cuts_text_and_frees_the_slot(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
-    sched, log = Scheduler(engine, SchedulerConfig(), Metrics()), Log()
+    sched, log = EngineWorker(engine, WorkerConfig(), Metrics()), Log()
     sched.start()
     ref = solo(folder, [9, 8, 7], 30)
     text = engine.tokenizer.decode(ref)
@@ -103,7 +103,7 @@ def test_stop_string_cuts_text_and_frees_the_slot(folder):
     ids = sum((o.token_ids for o in outs), ())
     assert ids == tuple(ref[:len(ids)]) and stop in engine.tokenizer.decode(list(ids))
     sched.close()
-    assert engine.pool.num_live == 0
+    assert engine.num_live == 0
 
 
 def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
@@ -113,7 +113,7 @@ def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
         raise RuntimeError("device lost")
 
     engine.step = broken_step
-    sched, log = Scheduler(engine, SchedulerConfig(), Metrics()), Log()
+    sched, log = EngineWorker(engine, WorkerConfig(), Metrics()), Log()
     sched.start()
     sched.submit(job("x", [1, 2], log, 4))
     assert "device lost" in log.wait("x")[-1].error

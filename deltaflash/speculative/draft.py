@@ -3,17 +3,15 @@
 Lane l drafts the block [anchor, MASK x (B-1)] at positions anchor_pos + 0..B-1 against its slot's
 context rows (positions < anchor_pos; the slot's length must equal anchor_pos). Block slot k >= 1
 proposes the token at position anchor_pos + k. Block K/V is never stored.
-- DFlash: d_k = argmax of the logits of slot k, or a sample from q = sampling_probs(logits), each
-  slot independently.
+- DFlash: d_k = argmax of the logits of slot k (greedy lanes), or a sample from q = lane_probs(logits)
+  with the lane's own settings, each slot independently.
 - DFlash2: the selector keeps the top-k tokens of each slot's logits and walks the slots in order:
   score(c) = logit(c) + <pred_codebook[prev] * hidden_projection(h_k), succ_codebook[c]>, prev
-  starting at the anchor; greedy takes the best candidate, sampling draws from q = softmax(score / T)
-  (temperature only, as the dflash package does; top-p / top-k do not apply to the selector).
-Sampling draws argmax(q / E) with E ~ Exp(1) (a q-distributed draw), so it never syncs with the host;
-lane l's noise comes from generators[l] when given (one stream per request).
+  starting at the anchor; greedy lanes take the best candidate, sampled lanes draw from
+  q = softmax(score / T) (temperature only, as the dflash package does; top-p / top-k do not apply).
+Sampling draws from the lane's STREAM_DRAFT noise (speculative/sampling.py): no host sync.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +19,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from deltaflash.cache.draft_context import DraftContextCache
-from deltaflash.errors import RequestError
 from deltaflash.models.dflash import DFlashDrafter
-from deltaflash.spec.sampling import sampling_probs
+from deltaflash.speculative.sampling import STREAM_DRAFT, LaneSampling, lane_probs, sample_from, uniform_noise
 
 
 @dataclass(frozen=True)
@@ -32,25 +29,13 @@ class DraftProposal:
 
     tokens: [L, B-1] int64
     probs: q of each drafted slot, fp32: DFlash [L, B-1, V]; DFlash2 [L, B-1, K] over `indices`;
-        None when greedy
+        None when every lane is greedy (meaningless on greedy lanes otherwise)
     indices: DFlash2 only, candidate token ids [L, B-1, K] (descending logit); None for DFlash
     """
 
     tokens: Tensor
     probs: Tensor | None = None
     indices: Tensor | None = None
-
-
-def exponential_noise(shape: tuple[int, ...], generators: Sequence[torch.Generator | None] | None,
-                      device: torch.device) -> Tensor:
-    """Exp(1) noise [L, ...] fp32; lane l drawn from generators[l] (None: the default generator)."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    if generators is None:
-        noise.exponential_()
-    else:
-        for lane, generator in enumerate(generators):
-            noise[lane].exponential_(generator=generator)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # a 0 draw must not give 0 / 0
 
 
 def draft_hidden(
@@ -71,40 +56,34 @@ def draft_hidden(
 def propose(
     drafter: DFlashDrafter, ctx_cache: DraftContextCache, embed_weight: Tensor, lm_head_weight: Tensor,
     slot_ids: Tensor, anchor_ids: Tensor, anchor_positions: Tensor, block_size: int,
-    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-    generators: Sequence[torch.Generator | None] | None = None, max_context_len: int | None = None,
+    sampling: LaneSampling | None = None, max_context_len: int | None = None,
 ) -> DraftProposal:
     """Draft B-1 tokens for each of L lanes.
 
     slot_ids [L] (-1 = padding lane), anchor_ids [L], anchor_positions [L] (= the slot's context
-    length); embed_weight / lm_head_weight [V, H], the target's. temperature 0 = greedy.
-    generators: one per lane (None entries use the default generator), on the lanes' device.
-    max_context_len: optional host-known bound on the lanes' context lengths (reads fewer rows).
+    length); embed_weight / lm_head_weight [V, H], the target's. sampling: the lanes' settings and
+    noise (None: every lane greedy). max_context_len: optional host-known bound on the lanes' context
+    lengths (reads fewer rows).
     """
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise RequestError(f"sampling: expected temperature >= 0, 0 < top_p <= 1, top_k >= 0; "
-                           f"got {temperature}, {top_p}, {top_k}")
-    if generators is not None and len(generators) != slot_ids.shape[0]:
-        raise ValueError(f"generators: {len(generators)} given for {slot_ids.shape[0]} lanes")
     anchor_ids = torch.where(slot_ids < 0, 0, anchor_ids)  # padding lanes may carry any anchor id
     hidden = draft_hidden(drafter, ctx_cache, embed_weight, slot_ids, anchor_ids, anchor_positions,
                           block_size, max_context_len)[:, 1:]  # [L, B-1, H]
     logits = drafter.logits(hidden, lm_head_weight)  # [L, B-1, V]
-    return choose_tokens(drafter, hidden, logits, anchor_ids, temperature, top_p, top_k, generators)
+    return choose_tokens(drafter, hidden, logits, anchor_ids,
+                         sampling or LaneSampling.greedy_lanes(slot_ids.shape[0], slot_ids.device))
 
 
-def choose_tokens(
-    drafter: DFlashDrafter, hidden: Tensor, logits: Tensor, anchor_ids: Tensor,
-    temperature: float, top_p: float, top_k: int, generators: Sequence[torch.Generator | None] | None,
-) -> DraftProposal:
-    """Tokens from the block's hidden [L, B-1, H] / logits [L, B-1, V] for lanes sharing one setting."""
+def choose_tokens(drafter: DFlashDrafter, hidden: Tensor, logits: Tensor, anchor_ids: Tensor,
+                  sampling: LaneSampling) -> DraftProposal:
+    """Tokens from the block's hidden [L, B-1, H] / logits [L, B-1, V], each lane by its own settings."""
     if drafter.config.variant == "dflash2":
-        return _select_candidates(drafter, hidden, logits, anchor_ids, temperature, generators)
-    if temperature == 0:
-        return DraftProposal(tokens=logits.argmax(dim=-1))
-    probs = sampling_probs(logits, temperature, top_p, top_k)
-    noise = exponential_noise(tuple(probs.shape), generators, probs.device)
-    return DraftProposal(tokens=(probs / noise).argmax(dim=-1), probs=probs)
+        return _select_candidates(drafter, hidden, logits, anchor_ids, sampling)
+    tokens = logits.argmax(dim=-1)
+    if sampling.all_greedy:
+        return DraftProposal(tokens=tokens)
+    probs = lane_probs(logits, sampling)
+    drawn = sample_from(probs, sampling.stream(STREAM_DRAFT))
+    return DraftProposal(tokens=torch.where(sampling.greedy[:, None], tokens, drawn), probs=probs)
 
 
 def full_vocab_probs(proposal: DraftProposal, vocab_size: int) -> Tensor | None:
@@ -115,27 +94,25 @@ def full_vocab_probs(proposal: DraftProposal, vocab_size: int) -> Tensor | None:
     return q.scatter(-1, proposal.indices, proposal.probs.float())
 
 
-def _select_candidates(
-    drafter: DFlashDrafter, hidden: Tensor, logits: Tensor, anchor_ids: Tensor,
-    temperature: float, generators: Sequence[torch.Generator | None] | None,
-) -> DraftProposal:
+def _select_candidates(drafter: DFlashDrafter, hidden: Tensor, logits: Tensor, anchor_ids: Tensor,
+                       sampling: LaneSampling) -> DraftProposal:
     """DFlash2 walk over slots; hidden [L, B-1, H], logits [L, B-1, V]."""
     selector = drafter.candidate_selector
     unary, candidates = logits.topk(selector.top_k, dim=-1)  # [L, B-1, K]
     projected = selector.hidden_projection(hidden)  # [L, B-1, rank]
     successors = F.embedding(candidates, selector.successor_codebook)  # [L, B-1, K, rank]
-    noise = None
-    if temperature > 0:
-        noise = exponential_noise(tuple(candidates.shape), generators, candidates.device)
+    exp_noise = None
+    if not sampling.all_greedy:
+        exp_noise = uniform_noise(sampling.stream(STREAM_DRAFT), tuple(candidates.shape)).log_().neg_()
+    temperature = sampling.temperature[:, None]
     previous, tokens, q_rows = anchor_ids, [], []
     for slot in range(candidates.shape[1]):
         query = F.embedding(previous, selector.predecessor_codebook) * projected[:, slot]  # [L, rank]
         scores = unary[:, slot] + torch.einsum("lr,lkr->lk", query, successors[:, slot])  # [L, K]
-        if noise is None:
-            pick = scores.argmax(dim=-1)
-        else:
+        pick = scores.argmax(dim=-1)
+        if exp_noise is not None:
             q = (scores.float() / temperature).softmax(dim=-1)
-            pick = (q / noise[:, slot]).argmax(dim=-1)
+            pick = torch.where(sampling.greedy, pick, (q / exp_noise[:, slot]).argmax(dim=-1))
             q_rows.append(q)
         previous = candidates[:, slot].gather(-1, pick[:, None])[:, 0]
         tokens.append(previous)

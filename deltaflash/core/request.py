@@ -1,19 +1,18 @@
-"""Requests and their per-sequence state, owned by the engine."""
+"""Requests and their per-sequence state: the types the scheduler, runner, engine and server share."""
 
 from __future__ import annotations
 
 import enum
 import itertools
+import random
 from dataclasses import dataclass, field
-
-import torch
 
 from deltaflash.errors import RequestError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0 = off. seed None = nondeterministic."""
+    """temperature 0 = greedy. top_k 0 = off. seed None = a fresh random seed per request."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -32,6 +31,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be in 0 .. 2^63-1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -47,13 +48,17 @@ class Status(enum.Enum):
 
 @dataclass
 class Sequence:
-    """One request's live state. `pending` is the last sampled token, not yet fed to the target."""
+    """One request's live state. `pending` is the last sampled token, not yet fed to the target.
+
+    Randomness: every sampling step of the request draws its noise from (seed, draws) - a counter-based
+    stream of its own (speculative/sampling.py), so a seeded request is reproducible whatever else
+    shares its batch, and nothing random is shared between requests."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
+    seed: int
     status: Status = Status.WAITING
     slot: int = -1
     num_prefilled: int = 0
@@ -62,6 +67,7 @@ class Sequence:
     finish_reason: str | None = None
     cancel_requested: bool = False
     accepted_lengths: list[int] = field(default_factory=list)
+    draws: int = 0           # sampling steps taken (the noise counter)
 
     @property
     def position(self) -> int:
@@ -71,6 +77,15 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.prompt_ids) - self.num_prefilled
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The request's noise seed: its own, or a fresh one (63 bits)."""
+    return params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,7 @@ class StepEvent:
 
 @dataclass(frozen=True)
 class RoundPhases:
-    """Seconds of host wall time per phase of one speculative round (see StepReport)."""
+    """Seconds of host wall time per phase of one round (see StepReport)."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -95,9 +110,9 @@ class RoundPhases:
 @dataclass(frozen=True)
 class StepReport:
     """What one step did, for metrics. Seconds are host wall time (on GPU a phase's kernels may
-    finish inside the next one: only sampling and acceptance sync, unless the engine was built with
-    `sync_phase_timing`). `accepted_lengths` has one entry per lane of the speculative round
-    (1 + accepted drafts); () without a drafter. `phases` splits decode_s of a speculative round."""
+    finish inside the next one: only the step's one read of the results syncs, unless the engine was
+    built with `sync_phase_timing`). `accepted_lengths` has one entry per lane of the round that
+    speculated (1 + accepted drafts); `widths` the rows each round lane verified. `phases` splits decode_s."""
 
     admitted: int
     prefill_tokens: int
@@ -106,6 +121,7 @@ class StepReport:
     decode_s: float
     accepted_lengths: tuple[int, ...] = ()
     phases: RoundPhases = RoundPhases()
+    widths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

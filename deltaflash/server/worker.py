@@ -1,4 +1,4 @@
-"""The scheduler thread: the engine's only caller. Admission, rounds and retirement happen here.
+"""The engine worker thread: the engine's only caller. Admission, rounds and retirement happen here.
 
 HTTP handlers talk to it through `submit` and `cancel` (a thread-safe inbox) and hear back through
 each job's `sink`. Between two engine steps (a round boundary) it takes new jobs, aborts cancelled
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaflash.engine.request import SamplingParams, StepEvent
+from deltaflash.core.request import SamplingParams, StepEvent
 from deltaflash.errors import RequestError
 from deltaflash.server.errors import QueueFull, ServerUnavailable
 from deltaflash.server.metrics import Metrics
@@ -27,10 +27,10 @@ log = logging.getLogger("deltaflash.server")
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class WorkerConfig:
     max_queue: int = 64            # admitted requests beyond the slots, waiting for one
     request_timeout_s: float = 0   # 0: none; a request older than this is retired ("cancelled")
-    idle_wait_s: float = 0.5       # how long an idle scheduler sleeps between inbox checks
+    idle_wait_s: float = 0.5       # how long an idle worker sleeps between inbox checks
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Output:
 
 @dataclass(frozen=True)
 class Job:
-    """A validated request. `sink` runs on the scheduler thread and must not block."""
+    """A validated request. `sink` runs on the engine worker thread and must not block."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -59,7 +59,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Load:
-    """Published by the scheduler after each step, read by /health."""
+    """Published by the worker after each step, read by /health."""
 
     active_slots: int
     queued: int
@@ -70,7 +70,7 @@ class Load:
 
 @dataclass
 class _Live:
-    """A job inside the engine (scheduler thread only)."""
+    """A job inside the engine (worker thread only)."""
 
     job: Job
     text: TextStream
@@ -82,8 +82,8 @@ class _Live:
     first_token: bool = False
 
 
-class Scheduler:
-    def __init__(self, engine, config: SchedulerConfig, metrics: Metrics):
+class EngineWorker:
+    def __init__(self, engine, config: WorkerConfig, metrics: Metrics):
         self._engine, self.config, self._metrics = engine, config, metrics
         self.max_slots = engine.config.max_slots
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # Job to admit, or request id (str) to cancel
@@ -92,7 +92,7 @@ class Scheduler:
         self._outstanding = 0           # submitted and not yet retired by the engine
         self._draining, self._drain_deadline, self._closing = False, math.inf, False
         self._live: dict[str, _Live] = {}
-        self._thread = threading.Thread(target=self._run, name="deltaflash-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="deltaflash-engine", daemon=True)
         self.load = Load(0, 0, self.max_slots)
 
     # ---- called from HTTP handlers (any thread) --------------------------------------------
@@ -102,13 +102,13 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._draining or not self.load.alive:
-                raise ServerUnavailable("the server is shutting down" if self._draining else "the scheduler failed")
+                raise ServerUnavailable("the server is shutting down" if self._draining else "the engine worker failed")
             capacity = self.max_slots + self.config.max_queue
             if self._outstanding >= capacity:
                 raise QueueFull(f"all {self.max_slots} slots are busy and the queue holds its maximum "
                                 f"{self.config.max_queue} requests (--max-queue); retry later")
             self._outstanding += 1
-            self._inbox.put(job)  # under the lock: a failing scheduler answers every job it let in
+            self._inbox.put(job)  # under the lock: a failing worker answers every job it let in
         self._wake.set()
 
     def cancel(self, request_id: str) -> None:
@@ -132,14 +132,14 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    # ---- the scheduler thread ----------------------------------------------------------------
+    # ---- the engine worker thread ----------------------------------------------------------------
     def _run(self) -> None:
         try:
             with torch.inference_mode():
                 self._loop()
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
-            log.exception("scheduler failed")
-            self._fail_all(f"the scheduler failed: {type(exc).__name__}: {exc}")
+            log.exception("engine worker failed")
+            self._fail_all(f"the engine worker failed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         while True:
@@ -246,12 +246,12 @@ class Scheduler:
             log.debug("dropped output for %s", job.request_id, exc_info=True)
 
     def _publish(self) -> None:
-        pool = self._engine.pool
+        live = self._engine.num_live
         with self._lock:
-            queued = max(self._outstanding - pool.num_live, 0)
+            queued = max(self._outstanding - live, 0)
             draining = self._draining
-        self.load = Load(pool.num_live, queued, self.max_slots, draining)
-        self._metrics.active_slots.set(pool.num_live)
+        self.load = Load(live, queued, self.max_slots, draining)
+        self._metrics.active_slots.set(live)
         self._metrics.queue_depth.set(queued)
 
     def _fail_all(self, message: str) -> None:

@@ -1,0 +1,68 @@
+"""Statistics and the table of `bench e2e` points, shared by the in-process sweep (e2e.py) and the
+server mode (e2e_server.py): latency percentiles, where speculative output first differs, the report."""
+
+from __future__ import annotations
+
+import math
+
+from deltaflash.bench.common import print_table
+
+
+def latency_summary(sequences: list[tuple[float, float, list[tuple[float, int]], int]]) -> dict:
+    """Per sequence (first token s, last token s, [(event time, tokens in the event)], tokens), all
+    times from the sequence's submission: mean tokens/s, mean decode tokens/s (tokens after the first
+    over the time after the first: 1 / TPOT, prefill excluded), TTFT and inter-token percentiles (an
+    event of n tokens counts as n gaps of 1/n of its interval)."""
+    ttft = [first for first, _, _, _ in sequences]
+    itl = [(b - a) / n for _, _, events, _ in sequences for (a, _), (b, n) in zip(events, events[1:]) for _ in range(n)]
+    per_seq = [tokens / last for _, last, _, tokens in sequences]
+    decode = [(tokens - events[0][1]) / (last - first) for first, last, events, tokens in sequences if len(events) > 1]
+    out = {"seq_tokens_per_s_mean": sum(per_seq) / len(per_seq) if per_seq else None,
+           "seq_decode_tokens_per_s_mean": sum(decode) / len(decode) if decode else None}
+    for name, xs in (("ttft", ttft), ("itl", itl)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3 if xs else None
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+
+
+def compare(points: list[dict], spec: list[list[int]], plain: list[list[int]]) -> None:
+    """Mark both points of one concurrency with how many sequences differ, and where each first
+    differs (output index and both tokens), so a divergence can be replayed."""
+    first = []
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first.append({"sequence": i, "position": at, "spec": a[at] if at < len(a) else None,
+                          "target_only": b[at] if at < len(b) else None})
+    for p in points:
+        p["mismatched_sequences"] = len(first)
+        p["first_differences"] = first
+
+
+TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
+              "mean_accepted_length", "ttft_p50_ms",
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences")
+
+
+def report(result: dict) -> None:
+    rows = [{k: p.get(k) for k in TABLE_COLS} | _shares_cell(p) for p in result["points"]]
+    print_table(f"deltaflash e2e, {result['label']}, W {result['block_size']}, "
+                f"{result['max_new_tokens']} new tokens", rows)
+    for name, fig in result["figures"].items():
+        print(f"  {name}: {fig['value']:.3f}  (dominant phase: {fig['dominant_phase']})")
+    for p in result["points"]:
+        if p["mode"] == "spec":
+            for d in p.get("first_differences", []):
+                print(f"  C={p['concurrency']}: sequence {d['sequence']} first differs at output token {d['position']} "
+                      f"(speculative {d['spec']}, target-only {d['target_only']})")
+
+
+def _shares_cell(point: dict) -> dict:
+    shares = point.get("phase_shares")
+    return {"profile": " ".join(f"{k}:{v:.0%}" for k, v in shares.items() if v >= 0.005)} if shares else {}

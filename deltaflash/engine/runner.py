@@ -1,0 +1,211 @@
+"""The runner executes a StepPlan on the device and returns what each lane produced.
+
+It owns the device state: the slot pool, the draft source's context, the CUDA graphs (captured at
+start by `warm_up`). One step: reset admitted slots -> prefill chunks (first tokens sampled on the
+device) -> the round: draft (width > 1) -> verify (one target forward, replayed from the graph of its
+lane bucket) -> accept (on the device) -> ONE read of every result to the host -> commit (validated on
+the host, then the kernels) and the new draft context. Plain decoding is the same round at width 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from deltaflash.cache.commit import commit
+from deltaflash.cache.slots import SlotPool
+from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
+from deltaflash.core.request import RoundPhases
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.graphs import CudaGraphs
+from deltaflash.engine.scheduler import PrefillChunk, StepPlan
+from deltaflash.ops.kernels import kernels_named
+from deltaflash.speculative.acceptance import Accepted, accept
+from deltaflash.speculative.sampling import LaneSampling
+from deltaflash.speculative.sources import DFlashSource, DraftSource
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """first_tokens: the first generated token of each prefill chunk that completed its prompt (plan
+    order); accepted[i] / tokens[i]: drafts accepted and tokens emitted by decode lane i (accepted
+    drafts, then the next token). Seconds are host wall time."""
+
+    first_tokens: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()
+    tokens: tuple[tuple[int, ...], ...] = ()
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    phases: RoundPhases = RoundPhases()
+
+
+@dataclass(frozen=True)
+class _Round:
+    """A round's device work up to acceptance (before the host reads anything)."""
+
+    slot_ids: Tensor
+    start: Tensor
+    out: VerifyOutput
+    accepted: Accepted
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, drafter=None, draft_source: DraftSource | None = None):
+        self.model, self.config = model, config
+        self.cfg = model.cfg
+        param = model.embed_tokens.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.kernels = kernels_named(config.kernels)
+        W = config.block_size
+        # verify rows of a sequence at its last position reach up to W - 1 positions further
+        capacity = config.max_model_len + W
+        self.pool = SlotPool(self.cfg, config.max_slots, capacity, self.dtype, self.device)
+        self.graphs = CudaGraphs(config.max_slots, self.device) if config.cuda_graphs else None
+        factory = self.graphs.add if self.graphs is not None else None
+        if drafter is not None:
+            draft_source = DFlashSource(drafter, param, model.lm_head_weight, config.max_slots, capacity, W, factory)
+        self.source = draft_source
+        self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
+        self.widths = (1, W) if W > 1 else (1,)
+        self.verify_graphs = {}
+        if self.graphs is not None:
+            for w in self.widths:
+                inputs = ((w,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0)
+                self.verify_graphs[w] = self.graphs.add(f"verify W={w}", self._verify_rows, inputs)
+
+    # ---- start-up -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, progress: bool = False) -> float:
+        """Capture every CUDA graph and compile every kernel a request can meet, before any request:
+        nothing compiles or captures inside one. Returns the seconds it took (0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.capture_all(progress)
+        else:
+            for w in self.widths:  # the verify route's kernels, on one padding lane
+                self._verify_rows(torch.zeros(1, w, dtype=torch.long, device=self.device),
+                                  torch.full((1,), -1, device=self.device), torch.zeros(1, dtype=torch.long,
+                                                                                        device=self.device))
+        for n in (1, 64):  # prefill kernels (norms, chunked GDN) on slot 0, which is then reset
+            batch = ExtendBatch.build([(0, 0, [0] * n)], self.device)
+            self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
+            self.pool.reset(0)
+            if self.source is not None:
+                self.source.reset(0)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq in plan.admitted:
+            self.pool.reset(seq.slot)
+            if self.source is not None:
+                self.source.reset(seq.slot)
+        t0 = time.perf_counter()
+        first = self._prefill(plan.prefill) if plan.prefill else None
+        t1 = clock = time.perf_counter()
+        round_, marks = None, []
+        if plan.decode:
+            round_, marks = self._round(plan)
+        # the one host sync of the step: every result the host needs, in one read
+        parts = [t for t in (first, *((round_.accepted.counts, round_.accepted.tokens.flatten()) if round_ else ()))
+                 if t is not None]
+        host = torch.cat(parts).tolist() if parts else []
+        n_first = 0 if first is None else first.shape[0]
+        first_tokens, accepted, tokens = tuple(host[:n_first]), (), ()
+        if round_ is not None:
+            L, W = round_.accepted.tokens.shape
+            accepted = tuple(host[n_first:n_first + L])
+            flat = host[n_first + L:]
+            tokens = tuple(tuple(flat[i * W:i * W + n + 1]) for i, n in enumerate(accepted))
+            marks.append(self._now())
+            self._commit(plan, round_, accepted)
+            marks.append(self._now())
+        phases = RoundPhases(*(b - a for a, b in zip([clock, *marks], marks))) if round_ else RoundPhases()
+        return StepResult(first_tokens, accepted, tokens, prefill_s=t1 - t0,
+                          decode_s=time.perf_counter() - t1 if round_ else 0.0, phases=phases)
+
+    def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> Tensor | None:
+        """Run the chunks; returns the first tokens [n] of the chunks that complete their prompt."""
+        batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
+        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
+        if self.source is not None and taps is not None:  # prompt rows become draft context
+            rows = torch.arange(batch.input_ids.shape[1], device=self.device)
+            kept = torch.where(rows[None] < batch.n_rows[:, None], batch.slot_ids[:, None], -1)
+            self.source.append(kept, batch.positions, taps)
+        done = [i for i, c in enumerate(chunks) if c.last]
+        if not done:
+            return None
+        seqs = [chunks[i].seq for i in done]
+        sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
+                                      self.device)
+        rows = logits[to_device(done, self.device)][:, None]  # [n, 1, V]
+        none = torch.zeros(len(done), dtype=torch.long, device=self.device)
+        return accept(rows, none[:, None][:, :0], None, none, sampling).tokens[:, 0]
+
+    def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
+        seqs, W = plan.decode, plan.round_width
+        slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
+        slot_ids, start = to_device(slots, self.device), to_device(starts, self.device)
+        anchors = to_device([s.pending for s in seqs], self.device)
+        n_draft = to_device([w - 1 for w in plan.widths], self.device)
+        sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
+                                      self.device)
+        drafts, draft_q = anchors[:, None][:, :0], None
+        if W > 1:
+            drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)
+        marks = [self._now()]
+        out = self.verify(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start, max(starts) + W)
+        marks.append(self._now())
+        accepted = accept(out.logits, drafts, draft_q, n_draft, sampling)
+        return _Round(slot_ids, start, out, accepted), marks
+
+    def _commit(self, plan: StepPlan, round_: _Round, accepted: tuple[int, ...]) -> None:
+        """Commit each lane's anchor and accepted drafts; they become draft context too."""
+        W = plan.round_width
+        n_rows = round_.accepted.counts + 1
+        commit_plan = CommitPlan(
+            slot_ids=round_.slot_ids, accepted_nodes=torch.arange(W, device=self.device).expand(len(accepted), W).contiguous(),
+            accepted_len=n_rows, slot_ids_host=tuple(s.slot for s in plan.decode),
+            accepted_len_host=tuple(n + 1 for n in accepted), start_host=tuple(s.position for s in plan.decode),
+            chain_host=True)
+        commit(self.pool, commit_plan, round_.out, self.kernels)
+        if self.source is not None and round_.out.taps is not None:
+            rows = torch.arange(W, device=self.device)
+            kept = torch.where(rows[None] < n_rows[:, None], round_.slot_ids[:, None], -1)
+            self.source.append(kept, round_.start[:, None] + rows, round_.out.taps)
+
+    # ---- the verify forward -------------------------------------------------------------------
+    def verify(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int) -> VerifyOutput:
+        """Chains input_ids [L, W] of lanes slot_ids [L] from positions start [L]: from the lane bucket's
+        CUDA graph when one fits, else eagerly reading `kmax` cache rows."""
+        graphs = self.verify_graphs.get(input_ids.shape[1])
+        out = graphs.run(input_ids, slot_ids, start) if graphs is not None else None
+        if out is None:
+            out = self._verify_rows(input_ids, slot_ids, start, kmax)
+        logits, taps, windows, log = out
+        return VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1),
+                            replay_log=log.movedim(0, 1))
+
+    def _verify_rows(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int | None = None):
+        """Chains of W rows per lane -> (logits [L, W, V], taps [L, W, n*H] or None, conv windows
+        [L, G, C, K-1+W], replay log [L, G, W, nv, 1+dk+dv]): lanes first, as the graphs slice them.
+        kmax None: attention reads the whole cache capacity (a fixed shape, for the graphs)."""
+        L, W = input_ids.shape
+        nodes = torch.arange(W, device=self.device)
+        batch = VerifyBatch(input_ids=input_ids, parents=(nodes - 1).expand(L, W).contiguous(),
+                            positions=start[:, None] + nodes, slot_ids=slot_ids, start=start,
+                            slot_ids_host=(), start_host=(), chain_host=True)
+        out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax or self.pool.max_len)
+        return out.logits, out.taps, out.conv_windows.movedim(1, 0), out.replay_log.movedim(1, 0)
+
+    def _now(self) -> float:
+        if self.config.sync_phase_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

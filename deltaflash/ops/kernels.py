@@ -1,0 +1,108 @@
+"""The two implementations of every op the models run, as one frozen set each.
+
+- `triton`: the fused Triton kernels (verify route, replay / conv commit, norms, MoE experts). CUDA;
+  on CPU they run only under TRITON_INTERPRET=1, in their tests.
+- `reference`: the unfused pure-torch route (ops/*/naive.py), op by op.
+
+Which set an engine runs is decided once, in EngineConfig (DELTAFLASH_NO_FUSED_KERNELS=1 selects the
+reference set on CUDA), and passed to every forward; no layer reads the environment. Signatures: the
+op folders' READMEs. The commit ops take a validated `CommitPlan` (cache/commit.py validates it on the
+host first), so neither set syncs with the host to commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deltaflash.core.batch import CommitPlan
+
+KERNEL_SETS = ("triton", "reference")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    zero_centered_rms_norm: Callable  # (x, weight, eps)
+    gated_rms_norm: Callable          # (o, z, weight, eps)
+    conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
+    gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
+    replay_commit: Callable           # (recurrent_state, replay_log, plan)
+    conv_commit: Callable             # (conv_history, windows, plan)
+    moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
+
+    @property
+    def fused(self) -> bool:
+        return self.name == "triton"
+
+
+def plan_lanes(plan: CommitPlan) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(lane, slot, accepted_len, accepted node path) of every lane with rows to commit, from host data."""
+    lanes = []
+    for lane, (slot, n) in enumerate(zip(plan.slot_ids_host, plan.accepted_len_host)):
+        if slot >= 0 and n > 0:
+            path = tuple(range(n)) if plan.chain_host else plan.accepted_nodes_host[lane][:n]
+            lanes.append((lane, slot, n, path))
+    return lanes
+
+
+def _writing_into(fn: Callable, *out_names: str) -> Callable:
+    """A reference op returning a tuple, given the fused op's keyword outputs (`out_names`, one per
+    result): results are copied into the outputs that are given. Other keywords (the `chains` hint)
+    pass through to the reference."""
+
+    def op(*args, **kwargs):
+        outs = {name: kwargs.pop(name, None) for name in out_names}
+        results = fn(*args, **kwargs)
+        return tuple(r if outs.get(name) is None else outs[name].copy_(r) for r, name in zip(results, out_names))
+
+    return op
+
+
+def reference_kernels() -> Kernels:
+    from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
+    from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
+    from deltaflash.ops.moe.naive import moe_experts_ref
+    from deltaflash.ops.norm.naive import gated_rms_norm_ref, zero_centered_rms_norm_ref
+
+    return Kernels(
+        name="reference",
+        zero_centered_rms_norm=zero_centered_rms_norm_ref,
+        gated_rms_norm=gated_rms_norm_ref,
+        conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
+        gdn_verify=_writing_into(gdn_verify_ref, "out", "replay_log_out"),
+        replay_commit=lambda state, log, plan: replay_lanes_ref(state, log, plan_lanes(plan)),
+        conv_commit=lambda history, windows, plan: conv_lanes_ref(history, windows, plan_lanes(plan)),
+        moe_experts=moe_experts_ref,
+    )
+
+
+def triton_kernels() -> Kernels:
+    from deltaflash.ops.conv.tree_step import conv_tree_step
+    from deltaflash.ops.gdn.commit import conv_commit, replay_commit
+    from deltaflash.ops.gdn.verify import gdn_verify
+    from deltaflash.ops.moe.fused_moe import fused_moe_experts
+    from deltaflash.ops.norm.rms_norm import gated_rms_norm, zero_centered_rms_norm
+
+    def replay(state, log, plan: CommitPlan):
+        replay_commit(state, log, plan.slot_ids, plan.accepted_nodes, plan.accepted_len, validate=False)
+
+    def conv(history, windows, plan: CommitPlan):
+        conv_commit(history, windows, plan.slot_ids, plan.accepted_nodes, plan.accepted_len, validate=False)
+
+    return Kernels(
+        name="triton",
+        zero_centered_rms_norm=zero_centered_rms_norm,
+        gated_rms_norm=gated_rms_norm,
+        conv_tree_step=conv_tree_step,
+        gdn_verify=gdn_verify,
+        replay_commit=replay,
+        conv_commit=conv,
+        moe_experts=fused_moe_experts,
+    )
+
+
+def kernels_named(name: str) -> Kernels:
+    if name not in KERNEL_SETS:
+        raise ValueError(f"kernels must be one of {KERNEL_SETS}, got {name!r}")
+    return triton_kernels() if name == "triton" else reference_kernels()

@@ -1,0 +1,71 @@
+"""Acceptance of verified chains for all lanes at once, on the device (DESIGN.md §4).
+
+Lane l verified rows [anchor, d_1 .. d_{W-1}] and may accept up to n_draft[l] of its drafts.
+- Greedy lanes: accept while d_{n+1} == argmax(target row n); the next token is the argmax at the
+  first mismatching (or last allowed) row, so the output equals target-only greedy decoding.
+- Sampled lanes: speculative rejection sampling - accept d with probability min(1, p(d) / q(d)) (q
+  one-hot for deterministic drafts); at the first rejection draw from norm(max(p - q, 0)), after the
+  last allowed draft draw from p. Distributed exactly as target-only sampling with the same settings.
+Plain decoding is the same rule with n_draft = 0: the next token is drawn from row 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from deltaflash.speculative.sampling import (
+    STREAM_ACCEPT, STREAM_TOKEN, LaneSampling, lane_probs, sample_from, uniform_noise,
+)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """counts [L] long: drafts accepted per lane; tokens [L, W] long: the tokens each lane emits are
+    tokens[l, :counts[l] + 1] (its accepted drafts, then the next token)."""
+
+    counts: Tensor
+    tokens: Tensor
+
+
+def accept(logits: Tensor, drafts: Tensor, draft_q: Tensor | None, n_draft: Tensor,
+           sampling: LaneSampling) -> Accepted:
+    """logits [L, W, V] fp32 target rows; drafts [L, W-1] long; draft_q [L, W-1, V] fp32, the q each
+    draft was drawn from (None: deterministic drafts); n_draft [L] long in 0..W-1. No host sync."""
+    L, W, _ = logits.shape
+    argmax = logits.argmax(dim=-1)  # [L, W]
+    allowed = torch.arange(W - 1, device=logits.device)[None] < n_draft[:, None]  # [L, W-1]
+    counts = ((drafts == argmax[:, :-1]) & allowed).long().cumprod(dim=1).sum(dim=1)
+    next_token = argmax.gather(1, counts[:, None])[:, 0]
+    if not sampling.all_greedy:
+        sampled_counts, sampled_next = _rejection_sample(logits, drafts, draft_q, allowed, sampling)
+        counts = torch.where(sampling.greedy, counts, sampled_counts)
+        next_token = torch.where(sampling.greedy, next_token, sampled_next)
+    tokens = torch.cat([drafts, drafts.new_zeros(L, 1)], dim=1).scatter_(1, counts[:, None], next_token[:, None])
+    return Accepted(counts=counts, tokens=tokens)
+
+
+def _rejection_sample(logits, drafts, draft_q, allowed, sampling: LaneSampling) -> tuple[Tensor, Tensor]:
+    """(accepted drafts [L], next token [L]) by speculative rejection sampling, every lane."""
+    L, W, _ = logits.shape
+    p = lane_probs(logits, sampling)  # [L, W, V]
+    if W == 1:
+        return allowed.new_zeros(L, dtype=torch.long), sample_from(p[:, 0], sampling.stream(STREAM_TOKEN))
+    p_draft = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [L, W-1]
+    q_draft = torch.ones_like(p_draft) if draft_q is None else draft_q.gather(-1, drafts[..., None])[..., 0]
+    u = uniform_noise(sampling.stream(STREAM_ACCEPT), (L, W - 1))
+    counts = ((u * q_draft < p_draft) & allowed).long().cumprod(dim=1).sum(dim=1)  # [L]
+    lanes = torch.arange(L, device=logits.device)
+    target = p[lanes, counts]  # [L, V]: the row the next token comes from
+    at = counts.clamp(max=W - 2)  # the rejected draft's index (meaningful where rejected)
+    if draft_q is None:  # q one-hot on the rejected draft: the residual is p without that token
+        residual = target.scatter(1, drafts[lanes, at][:, None], 0.0)
+    else:
+        residual = (target - draft_q[lanes, at]).clamp_(min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(torch.float32).tiny), target)
+    rejected = counts < allowed.sum(dim=1)  # stopped at a rejection, not after the last allowed draft
+    source = torch.where(rejected[:, None], residual, target)
+    return counts, sample_from(source, sampling.stream(STREAM_TOKEN))

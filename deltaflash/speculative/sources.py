@@ -1,0 +1,130 @@
+"""Where drafts come from. A draft source proposes W-1 tokens per lane (and the q they were drawn
+from, for sampled lanes) and keeps whatever per-slot context it needs.
+
+- `DFlashSource`: a DFlash / DFlash2 drafter conditioned on target tap features (DESIGN.md §1.2).
+- `ScriptedSource`: replays a recorded continuation with a set fraction of corrupted tokens, to run
+  the engine at a chosen acceptance (tests, and benchmarks labelled "scripted").
+
+Every source has the same surface (`DraftSource`); the runner calls it and never looks inside.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from deltaflash.cache.draft_context import DraftContextCache
+from deltaflash.core.batch import to_device
+from deltaflash.core.request import Sequence as Seq
+from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
+from deltaflash.speculative.sampling import LaneSampling
+
+# (name, fn, per-lane input specs [(shape, dtype, padding value)]) -> an object whose `run(*inputs)`
+# replays fn from CUDA graphs (None when no graph fits), or None: the runner's graph factory
+GraphFactory = Callable[[str, Callable, Sequence[tuple]], object]
+
+
+class DraftSource(Protocol):
+    block_size: int                   # W: rows a speculating lane verifies (anchor + W-1 drafts)
+    tap_layer_ids: tuple[int, ...]    # target layers whose hidden states the source reads
+
+    def reset(self, slot: int) -> None:
+        """Forget the slot's context (admission of a new sequence)."""
+
+    def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None) -> None:
+        """Committed rows become context: slot_ids [L, T] (-1: a row that was not committed, or a
+        padding lane), positions [L, T], taps [L, T, n_taps*H]."""
+
+    def draft(self, seqs: Sequence[Seq], slot_ids: Tensor, anchors: Tensor, start: Tensor,
+              sampling: LaneSampling) -> tuple[Tensor, Tensor | None]:
+        """(drafts [L, W-1] long, q [L, W-1, V] fp32 the drafts were drawn from, or None when the drafts
+        are deterministic or every lane is greedy). Lanes past len(seqs) are padding (slot -1)."""
+
+
+class DFlashSource:
+    def __init__(self, drafter, embed_weight: Tensor, lm_head_weight: Tensor, num_slots: int, max_len: int,
+                 block_size: int = 0, graph_factory: GraphFactory | None = None):
+        """block_size: the verify width W (default: the drafter's own). graph_factory: when given, the
+        block forward and the context append replay CUDA graphs per lane bucket (the drafter then
+        attends over the full context capacity, a fixed shape)."""
+        self.drafter, self.embed_weight, self.lm_head_weight = drafter, embed_weight, lm_head_weight
+        c = drafter.config
+        self.block_size = block_size or c.block_size
+        self.tap_layer_ids = tuple(c.target_layer_ids)
+        self.context = DraftContextCache(num_slots=num_slots, max_model_len=max_len, num_layers=c.num_layers,
+                                         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ring_window=c.ring_window,
+                                         dtype=drafter.dtype, device=embed_weight.device)
+        self.block_graphs = self.append_graphs = None
+        if graph_factory is not None:
+            W, taps = self.block_size, len(self.tap_layer_ids) * c.hidden_size
+            lane = ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
+            self.block_graphs = graph_factory("drafter block", self._block_logits, lane)
+            rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), embed_weight.dtype, 0)
+            self.append_graphs = graph_factory("drafter context append", self._append_rows, rows)
+
+    def reset(self, slot: int) -> None:
+        self.context.reset(slot)
+
+    def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None) -> None:
+        if taps is None:
+            return
+        fits = self.append_graphs is not None and slot_ids.shape[1] == self.block_size
+        if not fits or self.append_graphs.run(slot_ids, positions, taps) is None:
+            self._append_rows(slot_ids, positions, taps)
+
+    def _append_rows(self, slot_ids: Tensor, positions: Tensor, taps: Tensor):
+        keys, values = self.drafter.project_context(taps.flatten(0, 1), positions.flatten())
+        self.context.append(slot_ids.flatten(), positions.flatten(), keys, values)
+        return ()
+
+    def _block_logits(self, slot_ids, anchors, start, max_context_len: int | None = None):
+        """The block's hidden [L, W-1, H] and logits [L, W-1, V] of the drafted slots."""
+        hidden = draft_hidden(self.drafter, self.context, self.embed_weight, slot_ids, anchors, start,
+                              self.block_size, max_context_len=max_context_len)[:, 1:]
+        return hidden, self.drafter.logits(hidden, self.lm_head_weight)
+
+    def draft(self, seqs, slot_ids, anchors, start, sampling):
+        out = self.block_graphs.run(slot_ids, anchors, start) if self.block_graphs is not None else None
+        if out is None:  # host-known bound: read no more context rows than the longest lane has
+            out = self._block_logits(slot_ids, anchors, start, max(seq.position for seq in seqs))
+        hidden, logits = out
+        picked = choose_tokens(self.drafter, hidden, logits, torch.where(slot_ids < 0, 0, anchors), sampling)
+        return picked.tokens, full_vocab_probs(picked, logits.shape[-1])
+
+
+class ScriptedSource:
+    """Proposes, for a sequence whose prompt has a script, the script's tokens at the drafted
+    positions, each replaced by a random token with probability `corrupt` (deterministic in `seed`).
+    Sequences without a script get random drafts. Drafts are deterministic (q one-hot)."""
+
+    tap_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, scripts: dict[tuple[int, ...], list[int]], block_size: int, vocab_size: int,
+                 corrupt: float = 0.0, seed: int = 0):
+        self.scripts, self.block_size, self.vocab_size = scripts, block_size, vocab_size
+        self.corrupt, self.rng = corrupt, random.Random(seed)
+
+    def reset(self, slot: int) -> None:
+        pass
+
+    def append(self, slot_ids, positions, taps) -> None:
+        pass
+
+    def draft(self, seqs, slot_ids, anchors, start, sampling):
+        rows = []
+        for lane in range(slot_ids.shape[0]):
+            seq = seqs[lane] if lane < len(seqs) else None
+            script = self.scripts.get(tuple(seq.prompt_ids), []) if seq else []
+            row = []
+            for k in range(1, self.block_size):
+                i = (seq.position + k - len(seq.prompt_ids)) if seq else -1  # output index of the drafted token
+                tok = script[i] if 0 <= i < len(script) else self.rng.randrange(self.vocab_size)
+                if self.rng.random() < self.corrupt:
+                    tok = self.rng.randrange(self.vocab_size)
+                row.append(tok)
+            rows.append(row)
+        return to_device(rows, slot_ids.device), None

@@ -1,0 +1,252 @@
+"""The serving core on CPU: the scheduler's decisions, one host sync per round, cancellation at every
+stage, slot reuse with a drafter, mixed greedy and sampled lanes, the package's import floors."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaflash.core.request import SamplingParams, Sequence, Status
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.scheduler import Scheduler
+from deltaflash.errors import DeltaflashError
+from deltaflash.speculative.sources import ScriptedSource
+from tests.spec_pairs import engine_for, make_pair, prompts
+
+GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {"dflash": make_pair(root, "dense_gqa", "dflash", seed=1),
+            "dflash2": make_pair(root, "dense_tied", "dflash2", seed=2, block_size=5),
+            "moe": make_pair(root, "moe", "dflash", seed=3, block_size=4)}
+
+
+def run(engine, prompt_list, params, on_step=None):
+    """Generate step by step; returns token ids per request (in submission order) and finish reasons."""
+    params = params if isinstance(params, list) else [params] * len(prompt_list)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompt_list, params)]
+    out, reasons = {i: [] for i in ids}, {}
+    while engine.has_work():
+        if on_step is not None:
+            on_step(engine)
+        for ev in engine.step():
+            out[ev.request_id] += ev.token_ids
+            if ev.finish_reason:
+                reasons[ev.request_id] = ev.finish_reason
+    return [out[i] for i in ids], [reasons[i] for i in ids]
+
+
+# ---- the scheduler (policy only) -----------------------------------------------------------------
+def sequence(rid: str, prompt_len: int, max_new: int = 10) -> Sequence:
+    return Sequence(rid, list(range(prompt_len)), SamplingParams(max_new_tokens=max_new), frozenset(), seed=0)
+
+
+def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
+    config = EngineConfig(max_slots=2, prefill_chunk=10, block_size=4).resolve(torch.device("cpu"), 4)
+    scheduler = Scheduler(config)
+    for rid, n in (("a", 7), ("b", 25), ("c", 3)):
+        scheduler.add(sequence(rid, n))
+    plan = scheduler.schedule()
+    assert [s.request_id for s in plan.admitted] == ["a", "b"] and len(scheduler.waiting) == 1
+    assert [(c.seq.request_id, c.start, len(c.tokens), c.last) for c in plan.prefill] == [("a", 0, 7, True),
+                                                                                          ("b", 0, 3, False)]
+    for chunk in plan.prefill:  # what the engine does once the runner ran the chunks
+        chunk.seq.num_prefilled += len(chunk.tokens)
+        chunk.seq.status = Status.DECODING if chunk.last else chunk.seq.status
+    plan = scheduler.schedule()
+    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 3, 10)]
+
+
+def test_scheduler_widths_follow_the_tokens_left():
+    config = EngineConfig(max_slots=3, block_size=6).resolve(torch.device("cpu"), 6)
+    scheduler = Scheduler(config)
+    seqs = [sequence("a", 3, max_new=20), sequence("b", 3, max_new=4), sequence("c", 3, max_new=2)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.schedule()
+    for seq in seqs:
+        seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
+    plan = scheduler.schedule()
+    assert plan.widths == (6, 3, 1) and plan.round_width == 6  # b has 3 tokens left, c one: plain decoding
+    plain = Scheduler(EngineConfig(max_slots=1).resolve(torch.device("cpu"), None))
+    assert plain.config.block_size == 1 and plain.width(seqs[0]) == 1
+
+
+def test_config_is_resolved_once_with_the_environment():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().resolve(cpu, None, env={}).kernels == "reference"
+    assert EngineConfig().resolve(cuda, None, env={}).kernels == "triton"
+    resolved = EngineConfig().resolve(cuda, 8, env={"DELTAFLASH_NO_FUSED_KERNELS": "1",
+                                                    "DELTAFLASH_NO_CUDA_GRAPHS": "1"})
+    assert (resolved.kernels, resolved.cuda_graphs, resolved.block_size) == ("reference", False, 8)
+    assert EngineConfig().resolve(cuda, 8, env={}).cuda_graphs is True
+    with pytest.raises(DeltaflashError, match="needs a drafter"):
+        EngineConfig(block_size=4).resolve(cpu, None)
+    with pytest.raises(DeltaflashError, match="max_slots"):
+        EngineConfig(max_slots=0).resolve(cpu, None)
+
+
+# ---- one host sync per round ---------------------------------------------------------------------
+class SyncCounter:
+    """Counts calls that read a tensor's value on the host (each a device sync on a GPU)."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, real))
+
+    def _counting(self, name, real):
+        def counted(tensor, *args, **kwargs):
+            self.calls.append(name)
+            return real(tensor, *args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "moe"])
+def test_a_round_reads_the_device_once(pairs, name, monkeypatch):
+    """Drafting, verify, acceptance of greedy and sampled lanes (top-k / top-p included), commit and
+    the new draft context: one read of the results, whatever the lanes want."""
+    target_dir, draft_dir = pairs[name]
+    engine = engine_for(target_dir, draft_dir)
+    vocab = engine.cfg.vocab_size
+    params = [GREEDY, SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.8, top_k=9, seed=3, ignore_eos=True),
+              SamplingParams(max_new_tokens=30, temperature=1.2, seed=4, ignore_eos=True)]
+    for p, sp in zip(prompts(vocab, [5, 9, 13], seed=1), params):
+        engine.add_request(p, sp)
+    while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        counter = SyncCounter(monkeypatch)
+        events = engine.step()
+        monkeypatch.undo()
+        assert len(events) == 3 and counter.calls == ["tolist"]
+
+
+# ---- cancellation at every stage ------------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["waiting", "prefilling", "speculating"])
+def test_abort_at_every_stage_frees_everything_and_spares_the_others(pairs, stage):
+    target_dir, _ = pairs["dflash"]
+    plist = prompts(96, [6, 40, 9], seed=7)
+    expected = [c.token_ids for c in engine_for(target_dir).generate(plist, GREEDY)[0]]
+    scripts = {tuple(p): e for p, e in zip(plist, expected)}
+    max_slots = 2 if stage == "waiting" else 3
+    engine = engine_for(target_dir, draft_source=ScriptedSource(scripts, 5, 96, corrupt=0.1), max_slots=max_slots,
+                        prefill_chunk=8)
+    victim = {"waiting": 2, "prefilling": 1, "speculating": 0}[stage]
+    ids = [engine.add_request(p, GREEDY) for p in plist]
+    seen = {i: [] for i in ids}
+    reasons = {}
+    aborted = False
+    while engine.has_work():
+        seq = next((s for s in [*engine.scheduler.waiting, *engine.scheduler.running.values()]
+                    if s.request_id == ids[victim]), None)
+        ready = seq is not None and {"waiting": seq.status is Status.WAITING,
+                                     "prefilling": seq.status is Status.PREFILLING and seq.num_prefilled > 0,
+                                     "speculating": len(seq.accepted_lengths) >= 2}[stage]
+        if ready and not aborted:
+            engine.abort(ids[victim])
+            aborted = True
+        for ev in engine.step():
+            seen[ev.request_id] += ev.token_ids
+            if ev.finish_reason:
+                reasons[ev.request_id] = ev.finish_reason
+    assert aborted and reasons[ids[victim]] == "cancelled"
+    for i, rid in enumerate(ids):
+        if i != victim:
+            assert seen[rid] == expected[i] and reasons[rid] == "length"
+    assert engine.num_live == 0 and engine.scheduler.slots.num_free == max_slots
+
+
+def test_reused_slots_start_clean_with_a_drafter(pairs):
+    """A sequence admitted into a slot another sequence used gets the same tokens AND the same accepted
+    lengths as on a fresh engine: a stale draft context would leave output unchanged but lower acceptance."""
+    target_dir, draft_dir = pairs["dflash"]
+    first, second = prompts(96, [30, 8], seed=11)
+    fresh = engine_for(target_dir, draft_dir, max_slots=1).generate([second], GREEDY)[0][0]
+    engine = engine_for(target_dir, draft_dir, max_slots=1)
+    engine.generate([first], GREEDY)
+    reused = engine.generate([second], GREEDY)[0][0]
+    assert reused.token_ids == fresh.token_ids and reused.accepted_lengths == fresh.accepted_lengths
+    scripted = ScriptedSource({tuple(second): fresh.token_ids}, 6, 96)
+    engine = engine_for(target_dir, draft_source=scripted, max_slots=1)
+    engine.generate([first], GREEDY)
+    assert engine.generate([second], GREEDY)[0][0].accepted_lengths[0] == 6
+
+
+def test_mixed_greedy_and_sampled_lanes_in_one_round(pairs):
+    """Greedy lanes equal target-only greedy; a seeded sampled lane draws the same tokens whatever shares
+    its rounds (its noise depends on its seed and step only)."""
+    target_dir, draft_dir = pairs["dflash"]
+    plist = prompts(96, [4, 11, 7, 15], seed=13)
+    sampled = [SamplingParams(max_new_tokens=30, temperature=1.0, seed=21, ignore_eos=True),
+               SamplingParams(max_new_tokens=30, temperature=0.7, top_k=12, seed=22, ignore_eos=True)]
+    expected_greedy = [c.token_ids for c in engine_for(target_dir).generate(plist[:2], GREEDY)[0]]
+    mixed, _ = run(engine_for(target_dir, draft_dir), plist, [GREEDY, GREEDY, *sampled])
+    assert mixed[:2] == expected_greedy
+    alone = [run(engine_for(target_dir, draft_dir), [p], sp)[0][0] for p, sp in zip(plist[2:], sampled)]
+    assert mixed[2:] == alone
+    assert mixed[2] != run(engine_for(target_dir, draft_dir), [plist[2]],
+                           SamplingParams(max_new_tokens=30, temperature=1.0, seed=99, ignore_eos=True))[0][0]
+
+
+def test_prompt_too_long_for_the_context_is_a_clear_error(pairs):
+    from deltaflash.errors import RequestError
+
+    engine = engine_for(pairs["dflash"][0], max_model_len=32)
+    with pytest.raises(RequestError, match="exceeds the context length 32"):
+        engine.add_request(list(range(30)), SamplingParams(max_new_tokens=5))
+
+
+# ---- the package's floors -------------------------------------------------------------------------
+def import_graph() -> dict[str, set[str]]:
+    """Module -> deltaflash modules it imports (anywhere in the module, function-level imports too)."""
+    root = Path(__file__).parent.parent / "deltaflash"
+    modules = {}
+    for f in root.rglob("*.py"):
+        name = ".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = f
+    graph = defaultdict(set)
+    for name, f in modules.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_import_circles_and_low_floors_never_import_high_ones():
+    graph = import_graph()
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for dep in graph[module]:
+            assert state.get(dep) != "open", f"import circle: {' -> '.join(path + [dep])}"
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[module] = "done"
+
+    for module in list(graph):
+        if module not in state:
+            visit(module, [module])
+    high = ("deltaflash.engine", "deltaflash.speculative", "deltaflash.server", "deltaflash.bench",
+            "deltaflash.cli", "deltaflash.train")
+    for module, deps in graph.items():
+        if module.startswith(("deltaflash.core", "deltaflash.ops", "deltaflash.cache", "deltaflash.models")):
+            bad = [d for d in deps if d.startswith(high)]
+            assert not bad, f"{module} imports {bad}"
+        if module.startswith(("deltaflash.ops", "deltaflash.cache")):
+            assert not [d for d in deps if d.startswith("deltaflash.models")], module
+        if module.startswith("deltaflash.core"):
+            assert all(d.startswith(("deltaflash.core", "deltaflash.errors")) for d in deps), module

@@ -5,8 +5,10 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests target tune kernels round profile demo e2e6 e2e3 e2edemo. LIMIT_<STEP>=seconds overrides a
-# limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo. LIMIT_<STEP>=seconds
+# overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
+# `first` starts `deltaflash serve` (bundled pair) and times its start-up and first ten requests.
 # A fresh machine compiles every kernel and captures every CUDA graph on first use: the kernel and graph
 # tests take about 170 s there, the target tests (transformers on fla-core's autotuned kernels) over 200 s.
 # The device brings back only a few files per call (about eight): e2e steps write three each.
@@ -36,13 +38,16 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
 for step in "$@"; do
     case $step in
         tests) run tests 300 python3 -m pytest -q -x ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
-                   tests/test_gpu_graphs.py} ;;
+                   tests/test_ops_moe.py tests/test_gpu_graphs.py} ;;
+        spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q -x tests/test_spec.py \
+                  tests/test_spec_sampling.py tests/test_engine.py ;;
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
         tune) run tune 120 python3 bench/tune_verify.py ;;
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;
         demo) run demo 180 python3 -m deltaflash demo --device cuda ;;
+        first) run first 240 python3 bench/first_requests.py --out "$OUT/first.json" ;;
         e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2edemo) run e2edemo 300 python3 -m deltaflash bench e2e --workload demo --prompts 16 --reference --out "$OUT/demo" \

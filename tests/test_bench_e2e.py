@@ -30,7 +30,7 @@ def test_demo_workload_writes_json_and_plots(tmp_path):
             assert p[key] is not None and p[key] > 0, key
         assert sum(p["phase_shares"].values()) == pytest.approx(1.0)
         if mode == "spec":
-            assert 1 <= p["mean_accepted_length"] <= result["block_size"] and p["accepted_lengths"]
+            assert 1.5 < p["mean_accepted_length"] <= result["block_size"] and p["accepted_lengths"]  # ~3 for this pair
             assert p["phase_shares"]["verify"] > 0 and p["phase_shares"]["draft"] > 0
         else:
             assert p["mean_accepted_length"] is None

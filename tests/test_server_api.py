@@ -287,14 +287,24 @@ def test_bad_input_gets_4xx_and_serving_continues(server, solo):
 
 
 def test_metrics_report_rounds_and_tokens(server):
+    """Counters move by exactly what one request did (the server is shared with the other tests)."""
+    server.wait_idle()
+    names = [("deltaflash_requests_total", {"outcome": "length"}), ("deltaflash_generated_tokens_total", {}),
+             ("deltaflash_prompt_tokens_total", {}), ("deltaflash_accepted_length_count", {}),
+             ("deltaflash_accepted_length_sum", {}), ("deltaflash_round_phase_seconds_count", {"phase": "decode"}),
+             ("deltaflash_round_phase_seconds_count", {"phase": "prefill"}),
+             ("deltaflash_time_to_first_token_seconds_count", {})]
+    before = [server.metric(name, **labels) for name, labels in names]
     client(server).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     server.wait_idle()
-    assert server.metric("deltaflash_requests_total", outcome="length") >= 1
-    assert server.metric("deltaflash_generated_tokens_total") >= 12
-    assert server.metric("deltaflash_prompt_tokens_total") >= 3
-    assert server.metric("deltaflash_accepted_length_count") >= 1
-    assert server.metric("deltaflash_round_phase_seconds_count", phase="decode") >= 1
-    assert server.metric("deltaflash_round_phase_seconds_count", phase="prefill") >= 1
-    assert server.metric("deltaflash_time_to_first_token_seconds_count") >= 1
+    delta = dict(zip([n + str(sorted(lb.values())) for n, lb in names],
+                     [server.metric(name, **labels) - b for (name, labels), b in zip(names, before)]))
+    assert delta["deltaflash_requests_total['length']"] == 1
+    assert delta["deltaflash_generated_tokens_total[]"] == 12 and delta["deltaflash_prompt_tokens_total[]"] == 3
+    assert delta["deltaflash_time_to_first_token_seconds_count[]"] == 1
+    assert delta["deltaflash_round_phase_seconds_count['prefill']"] == 1
+    rounds = delta["deltaflash_round_phase_seconds_count['decode']"]
+    assert 1 <= rounds <= 11 and delta["deltaflash_accepted_length_count[]"] in (rounds, rounds - 1)
+    assert delta["deltaflash_accepted_length_sum[]"] >= 11 - 1  # the tokens after the first, less a last plain row
     assert server.metric("deltaflash_queue_depth") == 0 and server.metric("deltaflash_active_slots") == 0

@@ -106,6 +106,37 @@ def test_stop_string_cuts_text_and_frees_the_slot(folder):
     assert engine.num_live == 0
 
 
+def test_stop_string_and_cancels_in_the_same_step(folder):
+    """Step n: request a's text hits its stop string (answered "stop" at once, its slot freed a step
+    later) while b streams. Before step n+1 both clients cancel: a stays "stop" (one final output),
+    b ends "cancelled"; each outcome is counted once and every slot is free."""
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
+    metrics, log = Metrics(), Log()
+    worker = EngineWorker(engine, WorkerConfig(), metrics)  # driven step by step here, no thread
+    text = engine.tokenizer.decode(solo(folder, [9, 8, 7], 30))
+    start = next(i for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    worker.submit(job("a", [9, 8, 7], log, 30, stop=(text[start:start + 3],)))
+    worker.submit(job("b", [1, 2, 3], log, 30))
+
+    def iterate():
+        worker._take_inbox()
+        for event in engine.step():
+            worker._route(event)
+        worker._publish()
+
+    while not any(o.finish_reason for r, o in log.entries if r == "a"):
+        iterate()
+    worker.cancel("a")
+    worker.cancel("b")
+    for _ in range(3):
+        iterate()
+    finals = [(r, o.finish_reason) for r, o in log.entries if o.finish_reason]
+    assert sorted(finals) == [("a", "stop"), ("b", "cancelled")]
+    assert metrics.requests.labels(outcome="stop")._value.get() == 1
+    assert metrics.requests.labels(outcome="cancelled")._value.get() == 1
+    assert engine.num_live == 0 and not engine.has_work() and worker.load.active_slots == 0
+
+
 def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from types import SimpleNamespace
 
@@ -202,7 +203,7 @@ def test_acceptance_is_chained_and_cli_evaluate_reports_it(pipeline, capsys):
               "--max-files", str(MAX_FILES), "--seq-len", str(SEQ_LEN), "--eval-tokens", str(4 * SEQ_LEN)])
     printed = capsys.readouterr().out
     loss = float(re.search(r"held-out loss ([0-9.]+)", printed).group(1))
-    assert 0.0 < loss < 6.0  # below ln(300) = 5.7 + slack: the target learned something
+    assert 0.0 < loss < math.log(300) - 1.0  # a nat below a uniform guess (an untrained model is at or above it)
     shown = [float(x) for x in re.search(r"slot 1\.\.3: ([0-9. ]+) \|", printed).group(1).split()]
     assert shown == pytest.approx(acceptance, abs=5e-4)
 

@@ -68,17 +68,25 @@ def _demo_workload(args, max_slots: int) -> Workload:
     from deltaflash.tokenizer import encode_prompt
     from deltaflash.train.corpus import heldout_prompts, load_split
 
+    from deltaflash.models.dflash import load_drafter
+    from deltaflash.models.loader import default_device, default_dtype, load_model
+    from deltaflash.tokenizer import load_tokenizer
+
     target, draft = Path(args.model or BUNDLED / "target"), Path(args.draft or BUNDLED / "draft")
-    spec = Engine.from_pretrained(target, draft, device=args.device, progress=False, max_slots=1, max_model_len=64)
+    device = torch.device(args.device) if args.device else default_device()
+    model = load_model(target, dtype=default_dtype(device), device=device, progress=False)
+    cfg = model.cfg
+    drafter = load_drafter(draft, target_hidden_size=cfg.hidden_size, target_vocab_size=cfg.vocab_size,
+                           target_num_layers=cfg.num_layers, dtype=default_dtype(device), device=device)
+    tokenizer = load_tokenizer(target)
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
-    prompts = [encode_prompt(spec.tokenizer, t) for t in texts]
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
                           block_size=args.block_size)
-    drafter = spec.runner.source.drafter
 
     def engine(mode: str, profile: bool = False) -> Engine:
         engine_cfg = dataclasses.replace(config, sync_phase_timing=profile, block_size=config.block_size * (mode == "spec"))
-        return Engine(spec.model, spec.tokenizer, drafter if mode == "spec" else None, engine_cfg)
+        return Engine(model, tokenizer, drafter if mode == "spec" else None, engine_cfg)
 
     return Workload("demo", f"demo pair ({target.name} + {draft.name}), held-out stdlib prompts", prompts,
                     SamplingParams(max_new_tokens=args.max_new_tokens), engine,

@@ -46,7 +46,7 @@ class StepPlan:
 
     @property
     def runs_anything(self) -> bool:
-        return bool(self.prefill or self.decode)
+        return bool(self.admitted or self.prefill or self.decode)
 
 
 class Scheduler:

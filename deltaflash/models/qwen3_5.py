@@ -61,10 +61,9 @@ class Qwen35Model(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def logits(self, hidden: torch.Tensor, kernels: Kernels, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm + lm_head on [..., H] -> fp32 [..., V] (written into `out` when given)."""
-        logits = torch.nn.functional.linear(self.norm(hidden, kernels), self.lm_head_weight)
-        return logits.float() if out is None else out.copy_(logits)
+    def logits(self, hidden: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """Final norm + lm_head on [..., H] -> fp32 [..., V]."""
+        return torch.nn.functional.linear(self.norm(hidden, kernels), self.lm_head_weight).float()
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
         taps = []
@@ -106,11 +105,10 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def verify(self, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),
-               kmax: int | None = None, logits_out: torch.Tensor | None = None) -> VerifyOutput:
+               kmax: int | None = None) -> VerifyOutput:
         """All lanes' W rows in one forward. GDN state is read only; attention K/V of row n is
         written at start + n (past the committed length, so harmless until commit). No host syncs:
-        with a fixed `kmax` (attention reads cache rows < kmax) the forward can be graph-captured.
-        logits_out [L, W, V] fp32: where to write the logits (a CUDA graph's static buffer)."""
+        with a fixed `kmax` (attention reads cache rows < kmax) the forward can be graph-captured."""
         L, W = batch.input_ids.shape
         device = batch.input_ids.device
         x = self.embed_tokens(batch.input_ids)
@@ -134,8 +132,7 @@ class Qwen35Model(nn.Module):
                                             logs[mixer.gdn_index])
         attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, write_slots, kernels)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
-        return VerifyOutput(logits=self.logits(x, kernels, logits_out), taps=taps, conv_windows=windows,
-                            replay_log=logs)
+        return VerifyOutput(logits=self.logits(x, kernels), taps=taps, conv_windows=windows, replay_log=logs)
 
 
 def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

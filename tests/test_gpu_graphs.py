@@ -132,7 +132,7 @@ def test_a_round_syncs_with_the_host_once(tmp_path, kind):
             engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 1, syncs
 
 

@@ -91,7 +91,7 @@ class ModelRunner:
                 self._verify_rows(torch.zeros(1, w, dtype=torch.long, device=self.device),
                                   torch.full((1,), -1, device=self.device), torch.zeros(1, dtype=torch.long,
                                                                                         device=self.device))
-        for n in (1, 64):  # prefill kernels (norms, chunked GDN) on slot 0, which is then reset
+        for n in sorted({1, min(64, self.config.max_model_len)}):  # prefill kernels on slot 0, then reset
             batch = ExtendBatch.build([(0, 0, [0] * n)], self.device)
             self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
             self.pool.reset(0)

@@ -34,8 +34,12 @@ class Engine:
         self.config = config.resolve(self.device, block)
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(model, self.config, drafter, draft_source)
+        t0 = time.perf_counter()
+        self.runner.warm_up(progress)
+        if self.device.type == "cuda":
+            self._warm_requests()
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
-        self.startup_s = self.runner.warm_up(progress)
+        self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, draft_dir: str | Path | None = None, *, device=None,
@@ -51,6 +55,16 @@ class Engine:
                                    target_vocab_size=model.cfg.vocab_size, target_num_layers=model.cfg.num_layers,
                                    dtype=dtype, device=device)
         return cls(model, load_tokenizer(model_dir), drafter, EngineConfig(**config), progress=progress)
+
+    def _warm_requests(self) -> None:
+        """A greedy and a sampled request (top-k, top-p) through the whole step path - prefill, rounds at
+        each width, acceptance, commit, draft context - so that every kernel a client's first request
+        launches is already loaded. Their slots are reset at the next admission, like any retired slot."""
+        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
+        new = min(2 * self.config.block_size + 1, self.config.max_model_len - 1)
+        params = [SamplingParams(max_new_tokens=new, ignore_eos=True),
+                  SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)]
+        self.generate([[0], [1]], params)
 
     @property
     def pool(self):

@@ -70,17 +70,23 @@ class ExtendBatch:
             slots[i], n_rows[i], starts[i] = slot, len(toks), start
         live = [i for i, s in enumerate(slots) if s >= 0]
         cu = torch.tensor([0] + [n_rows[i] for i in live], dtype=torch.long).cumsum(0)
+        packed = [i * T + t for i in live for t in range(n_rows[i])]
+        parts = (ids.flatten(), pos.flatten(), torch.tensor(slots), torch.tensor(n_rows), torch.tensor(live, dtype=torch.long),
+                 torch.tensor(packed, dtype=torch.long), cu)
+        # one host -> device transfer for every table of the batch
+        ids_d, pos_d, slots_d, n_rows_d, live_d, packed_d, cu_d = to_device(torch.cat(parts), device).split(
+            [p.numel() for p in parts])
         return cls(
-            input_ids=to_device(ids, device),
-            positions=to_device(pos, device),
-            slot_ids=to_device(slots, device),
-            n_rows=to_device(n_rows, device),
+            input_ids=ids_d.view(L, T),
+            positions=pos_d.view(L, T),
+            slot_ids=slots_d,
+            n_rows=n_rows_d,
             slot_ids_host=tuple(slots),
             n_rows_host=tuple(n_rows),
             start_host=tuple(starts),
-            live_lanes=to_device(live, device),
-            packed_rows=to_device([i * T + t for i in live for t in range(n_rows[i])], device),
-            cu_seqlens=to_device(cu, device),
+            live_lanes=live_d,
+            packed_rows=packed_d,
+            cu_seqlens=cu_d,
             cu_seqlens_host=cu,
         )
 

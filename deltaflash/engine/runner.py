@@ -145,16 +145,15 @@ class ModelRunner:
         seqs = [chunks[i].seq for i in done]
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
-        rows = logits[to_device(done, self.device)][:, None]  # [n, 1, V]
+        rows = (logits if len(done) == len(chunks) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         return accept(rows, none[:, None][:, :0], None, none, sampling).tokens[:, 0]
 
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width
         slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
-        slot_ids, start = to_device(slots, self.device), to_device(starts, self.device)
-        anchors = to_device([s.pending for s in seqs], self.device)
-        n_draft = to_device([w - 1 for w in plan.widths], self.device)
+        lanes = to_device([slots, starts, [s.pending for s in seqs], [w - 1 for w in plan.widths]], self.device)
+        slot_ids, start, anchors, n_draft = lanes  # one transfer, four [L] rows
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
         drafts, draft_q = anchors[:, None][:, :0], None

@@ -104,14 +104,13 @@ def _select_candidates(drafter: DFlashDrafter, hidden: Tensor, logits: Tensor, a
     exp_noise = None
     if not sampling.all_greedy:
         exp_noise = uniform_noise(sampling.stream(STREAM_DRAFT), tuple(candidates.shape)).log_().neg_()
-    temperature = sampling.temperature[:, None]
     previous, tokens, q_rows = anchor_ids, [], []
     for slot in range(candidates.shape[1]):
         query = F.embedding(previous, selector.predecessor_codebook) * projected[:, slot]  # [L, rank]
         scores = unary[:, slot] + torch.einsum("lr,lkr->lk", query, successors[:, slot])  # [L, K]
         pick = scores.argmax(dim=-1)
         if exp_noise is not None:
-            q = (scores.float() / temperature).softmax(dim=-1)
+            q = (scores.float() / sampling.temperature[:, None]).softmax(dim=-1)
             pick = torch.where(sampling.greedy, pick, (q / exp_noise[:, slot]).argmax(dim=-1))
             q_rows.append(q)
         previous = candidates[:, slot].gather(-1, pick[:, None])[:, 0]

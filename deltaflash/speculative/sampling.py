@@ -85,15 +85,15 @@ class LaneSampling:
 
     temperature [L] fp32 (1 on greedy lanes, whose probabilities are never used); top_p [L] fp32;
     top_k [L] long (0 = off); greedy [L] bool; keys [L, 3, 2] long: this step's noise keys per stream.
-    all_greedy / filtered (some lane uses top_p < 1 or top_k > 0) are host flags that skip work.
-    Padding lanes are greedy.
+    all_greedy / filtered (some lane uses top_p < 1 or top_k > 0) are host flags that skip work; when
+    every lane is greedy the tensors are None (nothing reaches the device). Padding lanes are greedy.
     """
 
-    temperature: Tensor
-    top_p: Tensor
-    top_k: Tensor
-    greedy: Tensor
-    keys: Tensor
+    temperature: Tensor | None
+    top_p: Tensor | None
+    top_k: Tensor | None
+    greedy: Tensor | None
+    keys: Tensor | None
     all_greedy: bool
     filtered: bool
 
@@ -101,17 +101,21 @@ class LaneSampling:
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], draws: Sequence[int], device,
               lanes: int | None = None) -> "LaneSampling":
         """One lane per request (params, seed, draw counter), padded with greedy lanes to `lanes`."""
+        sampled = [p for p in params if not p.greedy]
+        if not sampled:
+            return cls(None, None, None, None, None, all_greedy=True, filtered=False)
         pad = (lanes or len(params)) - len(params)
         greedy = [p.greedy for p in params] + [True] * pad
         keys = [noise_keys(s, d) for s, d in zip(seeds, draws)] + [[[0, 0]] * _STREAMS] * pad
         temperature = [1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad
         top_p = [p.top_p for p in params] + [1.0] * pad
         top_k = [p.top_k for p in params] + [0] * pad
-        sampled = [p for p in params if not p.greedy]
-        return cls(temperature=to_device(temperature, device, torch.float32),
-                   top_p=to_device(top_p, device, torch.float32), top_k=to_device(top_k, device),
-                   greedy=to_device(greedy, device, torch.bool), keys=to_device(keys, device),
-                   all_greedy=not sampled, filtered=any(p.top_p < 1 or p.top_k > 0 for p in sampled))
+        floats = to_device([temperature, top_p], device, torch.float32)  # two transfers, not five
+        ints = to_device([[k, g, *(x for pair in lane for x in pair)] for k, g, lane in zip(top_k, greedy, keys)],
+                         device)  # per lane [top_k, greedy, keys (3 x 2)]
+        return cls(temperature=floats[0], top_p=floats[1], top_k=ints[:, 0], greedy=ints[:, 1].bool(),
+                   keys=ints[:, 2:].view(-1, _STREAMS, 2), all_greedy=False,
+                   filtered=any(p.top_p < 1 or p.top_k > 0 for p in sampled))
 
     @classmethod
     def greedy_lanes(cls, lanes: int, device) -> "LaneSampling":

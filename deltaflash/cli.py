@@ -19,22 +19,43 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _prompt_ids(text: str) -> list[int]:
+    """--prompt-ids: comma-separated integers."""
+    ids = []
+    for item in text.split(","):
+        try:
+            ids.append(int(item))
+        except ValueError:
+            if item.strip():
+                raise DeltaflashError(f"--prompt-ids: {item.strip()!r} is not an integer token id "
+                                      "(give comma-separated integers, e.g. 1,2,3)") from None
+    if not ids:
+        raise DeltaflashError("--prompt-ids: no token ids given (give comma-separated integers, e.g. 1,2,3)")
+    return ids
+
+
 def cmd_generate(args) -> int:
     from deltaflash.core.request import SamplingParams
-    from deltaflash.tokenizer import encode_chat, encode_prompt
+    from deltaflash.tokenizer import decode, encode_chat, encode_prompt, utf8_length
 
-    engine = engine_from_args(args, progress=not args.json)
-    tok = engine.tokenizer
+    # the prompt and the sampling flags are checked before any weight loads
     if args.prompt_ids is not None:
-        prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-    elif args.chat:
-        prompt = encode_chat(tok, [{"role": "user", "content": args.prompt}])
+        prompt = _prompt_ids(args.prompt_ids)
     else:
-        prompt = encode_prompt(tok, args.prompt)
+        utf8_length(args.prompt, "--prompt")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    params.validate()
+    engine = engine_from_args(args, progress=not args.json)
+    tok = engine.tokenizer
+    if args.chat:
+        prompt = encode_chat(tok, [{"role": "user", "content": args.prompt}])
+    elif args.prompt_ids is None:
+        prompt = encode_prompt(tok, args.prompt)
     (done,), elapsed = engine.generate([prompt], params)
-    text = tok.decode(done.token_ids) if tok is not None else None
+    # as the server: a stop token ends the text and is not part of it
+    text_ids = done.token_ids[:-1] if done.finish_reason == "stop" else done.token_ids
+    text = decode(tok, text_ids) if tok is not None else None
     stats = {
         "prompt_tokens": len(prompt),
         "generated_tokens": len(done.token_ids),

@@ -18,12 +18,24 @@ from tests.checkpoints import build_hf_model, make_tokenizer, save_checkpoint
 from tests.spec_pairs import save_drafter
 
 READY = re.compile(r"on (http://127\.0\.0\.1:\d+) ")
+# renders every message field deltaflash passes to the template (role, content, name, tool_call_id, tool_calls)
+# and the tools; tools and calls as Qwen3.5's template does: a <tools> block of JSON, calls in the xml style
+# (<tool_call><function=...>, whose arguments the server hands over as an object), results in <tool_response>
+CHAT_TEMPLATE = ("{% if tools %}<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n{% endif %}"
+                 "{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
+                 "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>"
+                 "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>{% else %}{{ m.content }}"
+                 "{% endif %}{% for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n"
+                 "{% for k, v in c.function.arguments | items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n"
+                 "{% endfor %}</function>\n</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def tiny_pair(folder: Path, drafter: bool = True) -> tuple[Path, Path | None]:
     """The tiny dense target (vocab 320) with a tokenizer + chat template, and a DFlash drafter."""
     target = save_checkpoint(build_hf_model("dense_gqa", vocab_size=320), folder / "tiny")
     make_tokenizer(target, vocab_size=300)
+    (target / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     if not drafter:
         return target, None
     cfg = load_model(target, device="cpu", progress=False).cfg

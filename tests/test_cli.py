@@ -1,13 +1,18 @@
-"""`deltaflash generate` end to end, in a subprocess as a user runs it."""
+"""`deltaflash generate` end to end, and the one-line errors of `generate` and `serve`, in a subprocess as a
+user runs them."""
 
 import json
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from deltaflash.engine.engine import Engine
 from deltaflash.core.request import SamplingParams
+from deltaflash.tokenizer import decode
 from tests.checkpoints import build_hf_model, make_tokenizer, save_checkpoint
 
 
@@ -31,7 +36,7 @@ def test_generate_json_with_prompt_ids(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False)
     (ref,), _ = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=9, ignore_eos=True))
     assert out["token_ids"] == ref.token_ids
-    assert out["text"] == engine.tokenizer.decode(ref.token_ids)
+    assert out["text"] == decode(engine.tokenizer, ref.token_ids)  # the server's rule: special tokens dropped
     assert out["stats"]["generated_tokens"] == 9 and out["stats"]["finish_reason"] == "length"
 
 
@@ -59,6 +64,51 @@ def test_bad_input_is_a_clear_error(folder, tmp_path):
     assert proc.returncode == 2 and "temperature" in proc.stderr
     proc = run_cli("generate", "--model", str(folder), "--prompt-ids", "99999", "--device", "cpu")
     assert proc.returncode == 2 and "99999" in proc.stderr
+
+
+def one_line_error(proc, *words):
+    """Exit 2 with one `deltaflash: error:` line naming `words`, no traceback, no weights loaded."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("deltaflash: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert all(w in errors[0] for w in words), errors[0]
+    assert "Traceback" not in proc.stderr and "loading" not in proc.stderr, proc.stderr
+
+
+def test_bad_prompts_fail_before_loading(folder):
+    procs = [subprocess.Popen([sys.executable, "-m", "deltaflash", "generate", "--model", str(folder), "--device",
+                               "cpu", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             # undecodable bytes in argv (latin-1 "café", a lone 0xff) reach Python as lone surrogates
+             for args in (["--prompt-ids", "1,a,3"], ["--prompt", "caf\udce9"], ["--prompt", "x\udcff", "--chat"])]
+    results = [(p.communicate(timeout=120), p.returncode) for p in procs]
+    for ((out, err), rc), words in zip(results, (("--prompt-ids", "'a'"), ("--prompt", "not valid Unicode"),
+                                                 ("--prompt", "not valid Unicode"))):
+        one_line_error(subprocess.CompletedProcess([], rc, out, err), *words)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_one_line_error(folder):
+    one_line_error(run_cli("generate", "--model", str(folder), "--prompt-ids", "1", "--device", "cuda"),
+                   "--device cuda", "CUDA is not available")
+
+
+def test_serve_rejects_bad_flags_fast_before_loading(folder, tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [(["--max-model-len", "1"], ("--max-model-len", ">= 2")),
+             (["--port", str(busy.getsockname()[1])], ("--port", "cannot listen")),
+             (["--draft", str(tmp_path / "missing")], ("--draft", "config.json")),
+             (["--block-size", "4"], ("--block-size", "--draft"))]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-m", "deltaflash", "serve", "--model", str(folder), "--device", "cpu",
+                               "--host", "127.0.0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]
+    results = [(p.communicate(timeout=120), p.returncode) for p in procs]
+    elapsed = time.monotonic() - t0
+    busy.close()
+    for ((out, err), rc), (_, words) in zip(results, cases):
+        one_line_error(subprocess.CompletedProcess([], rc, out, err), *words)
+    assert elapsed < 30  # python + torch imports only, 4 at once on a small machine
 
 
 def test_a_benchmark_returning_its_result_exits_zero(monkeypatch):

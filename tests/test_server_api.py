@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -186,6 +187,7 @@ def test_disconnected_clients_free_their_slots(server, solo):
             await _health_until(http, lambda h: h["queued"] == 1)
             await waiting.aclose()  # leaves while waiting for a slot
             await _health_until(http, lambda h: h["queued"] == 0 and h["active_slots"] == SLOTS)
+            assert server.metric("deltaflash_slot_usage_ratio") == 1.0
             for i, (r, lines) in enumerate(held):  # leave mid-stream, after different amounts
                 for _ in range(2 * i):
                     await _next_event(lines)
@@ -220,6 +222,7 @@ def test_queue_bound_gives_429(server):
     over = asyncio.run(main())
     assert over.status_code == 429
     assert over.json()["error"]["code"] == "queue_full" and "--max-queue" in over.json()["error"]["message"]
+    assert over.headers["Retry-After"] == "1"
     server.wait_idle()
 
 
@@ -233,7 +236,9 @@ BAD = [  # (endpoint, body or raw bytes, status, param, words the message must c
     ("completions", {"prompt": 5}, 400, "prompt", "prompt"),
     ("completions", {"prompt": "x", "top_k": 1.5}, 400, "top_k", "integer"),
     ("completions", {"prompt": "x", "seed": "s"}, 400, "seed", "integer"),
-    ("completions", {"prompt": "x", "foo": 1}, 400, "foo", "unknown field"),
+    ("completions", {"prompt": "x", "seed": -1}, 400, "seed", "[0, 9223372036854775807]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 63}, 400, "seed",
+     "[0, 9223372036854775807]"),
     ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("completions", {"prompt": "x", "max_tokens": 10 ** 12}, 400, "max_tokens", "context"),
@@ -242,15 +247,29 @@ BAD = [  # (endpoint, body or raw bytes, status, param, words the message must c
     ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", ">= 0"),
     ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
     ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0.0, 1.0]"),
-    ("completions", {"prompt": "x", "n": 2}, 400, "n", "n = 2"),
+    ("completions", {"prompt": "x", "echo": True}, 400, "echo", "echo = true is not supported"),
     ("completions", {"prompt": "x", "stop": [1000]}, 400, "stop", "1000"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ("completions", {"prompt": []}, 400, "prompt", "non-empty"),
     ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
     ("chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("chat/completions", {"messages": "hi"}, 400, "messages", "messages"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "role"),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "content"),
+    ("completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", "not valid Unicode"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages[0].content",
+     "not valid Unicode"),
+    ("completions", {"prompt": "\u00e9" * (4 * CONTEXT + 1)}, 400, "prompt", "without tokenizing"),  # bytes, not chars
+    ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", 'suffix = "y" is not supported'),
+    ("completions", {"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "true or false"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages[0].name",
+     "string"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400,
+     "messages[0].tool_calls", "assistant"),
+    ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                              "function": {"name": "f"}}]}]},
+     400, "messages[0].tool_calls[0]", "arguments"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": None}]}, 400, "messages[0].content", "null"),
 ]
 
 
@@ -293,7 +312,9 @@ def test_metrics_report_rounds_and_tokens(server):
              ("deltaflash_prompt_tokens_total", {}), ("deltaflash_accepted_length_count", {}),
              ("deltaflash_accepted_length_sum", {}), ("deltaflash_round_phase_seconds_count", {"phase": "decode"}),
              ("deltaflash_round_phase_seconds_count", {"phase": "prefill"}),
-             ("deltaflash_time_to_first_token_seconds_count", {})]
+             ("deltaflash_time_to_first_token_seconds_count", {}), ("deltaflash_queue_time_seconds_count", {}),
+             ("deltaflash_request_latency_seconds_count", {}), ("deltaflash_time_per_output_token_seconds_count", {}),
+             ("deltaflash_time_per_output_token_seconds_sum", {})]
     before = [server.metric(name, **labels) for name, labels in names]
     client(server).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -303,8 +324,179 @@ def test_metrics_report_rounds_and_tokens(server):
     assert delta["deltaflash_requests_total['length']"] == 1
     assert delta["deltaflash_generated_tokens_total[]"] == 12 and delta["deltaflash_prompt_tokens_total[]"] == 3
     assert delta["deltaflash_time_to_first_token_seconds_count[]"] == 1
+    assert delta["deltaflash_queue_time_seconds_count[]"] == 1
+    assert delta["deltaflash_request_latency_seconds_count[]"] == 1
+    assert delta["deltaflash_time_per_output_token_seconds_count[]"] == 1
+    assert 0 < delta["deltaflash_time_per_output_token_seconds_sum[]"] < 5
     assert delta["deltaflash_round_phase_seconds_count['prefill']"] == 1
     rounds = delta["deltaflash_round_phase_seconds_count['decode']"]
     assert 1 <= rounds <= 11 and delta["deltaflash_accepted_length_count[]"] in (rounds, rounds - 1)
     assert delta["deltaflash_accepted_length_sum[]"] >= 11 - 1  # the tokens after the first, less a last plain row
     assert server.metric("deltaflash_queue_depth") == 0 and server.metric("deltaflash_active_slots") == 0
+    assert server.metric("deltaflash_slot_usage_ratio") == 0
+
+
+def test_unknown_fields_are_ignored_and_logged_once(server):
+    """Fields deltaflash does not know (OpenAI's newer ones, other servers' extensions) change nothing
+    and are logged once per name; --strict-fields makes them a 400 (test_strict_fields_...)."""
+    c, messages = client(server), [{"role": "user", "content": "def hello"}]
+    plain = c.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    for _ in range(2):
+        r = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "def hello", "x_note": "n"}], max_tokens=8,
+            temperature=0, metadata={"run": "a"}, service_tier="auto", stream=True,
+            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "x_knob": 1})
+        chunks = list(r)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+            plain.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == 8
+    log = server.log.read_text()
+    for name in ("'metadata'", "'service_tier'", "'x_knob'", "'messages[].x_note'",
+                 "'stream_options.continuous_usage_stats'"):
+        assert log.count(f"ignoring the unknown request field {name}") == 1, (name, log)
+
+
+def test_strict_fields_rejects_unknown_fields(pair, tmp_path):
+    proc = ServerProcess(pair[0], tmp_path / "strict.log", "--strict-fields", "--max-model-len", "64")
+    try:
+        c = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        cases = [(dict(metadata={"run": "a"}), "metadata"),
+                 (dict(messages=[{"role": "user", "content": "hi", "x_note": 1}]), "messages[0].x_note"),
+                 (dict(stream=True, stream_options={"include_usage": True},
+                       extra_body={"stream_options": {"continuous_usage_stats": True}}),
+                  "stream_options.continuous_usage_stats")]
+        for kw, param in cases:
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(**({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 2} | kw))
+            assert err.value.param == param and f"unknown field '{param}'" in err.value.message
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                      extra_body={"skip_special_tokens": True, "spaces_between_special_tokens": True})
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        assert proc.stop() == 0
+
+
+def test_huge_prompt_is_refused_at_once_while_streams_flow(server):
+    """A 16 MB prompt gets a 400 context_length_exceeded without being tokenized, in well under a second,
+    while 4 streams run: their chunks keep coming (no gap of 0.5 s) and /health answers within 0.2 s."""
+    huge = json.dumps({"model": "tiny", "prompt": "def hello " * ((16 << 20) // 10), "max_tokens": 4}).encode()
+    arrivals, probes, flowing, done = {}, [], threading.Event(), threading.Event()
+    batch = prompts(4, seed=9)
+
+    async def one_stream(http, i):
+        body = {"model": "tiny", "prompt": batch[i], "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            times = arrivals[i] = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+                    if sum(len(t) >= 3 for t in arrivals.values()) >= SLOTS:
+                        flowing.set()
+
+    def streams():
+        try:
+            asyncio.run(_in_client(server, lambda http: asyncio.gather(*(one_stream(http, i) for i in range(4)))))
+        finally:
+            done.set()
+
+    def probe_health():
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            while not done.is_set():
+                t0 = time.monotonic()
+                status = http.get("/health").status_code
+                probes.append((time.monotonic() - t0, status))
+                time.sleep(0.02)
+
+    threads = [threading.Thread(target=streams), threading.Thread(target=probe_health)]
+    threads[0].start()
+    assert flowing.wait(60)
+    threads[1].start()
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        t0 = time.monotonic()
+        r = http.post("/v1/completions", content=huge, headers={"Content-Type": "application/json"})
+        refused_s = time.monotonic() - t0
+    for t in threads:
+        t.join(120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "prompt" and "without tokenizing" in r.json()["error"]["message"]
+    assert refused_s < 1.0
+    assert len(arrivals) == 4 and all(len(t) > 20 for t in arrivals.values())
+    worst_gap = max(b - a for t in arrivals.values() for a, b in zip(t, t[1:]))
+    slowest_health = max(seconds for seconds, _ in probes)
+    assert worst_gap < 0.5 and len(probes) > 5 and slowest_health < 0.2, (worst_gap, slowest_health)
+    assert all(status == 200 for _, status in probes)
+    server.wait_idle()
+
+
+def test_special_tokens_are_dropped_unless_kept_alike_in_cli_and_server(server, pair, one_thread):
+    """One decode rule: the end-of-text token (id 0, special) inside a greedy output is no text by default,
+    in `deltaflash generate` and in the server; `skip_special_tokens: false` keeps it."""
+    engine = Engine.from_pretrained(pair[0], device="cpu", progress=False, max_slots=16, max_model_len=CONTEXT)
+    candidates = prompts(64, seed=7)
+    done, _ = engine.generate(candidates, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    prompt, out = next((p, d.token_ids) for p, d in zip(candidates, done) if 0 in d.token_ids[1:])
+    n = min(out.index(0, 1) + 3, len(out))
+    cli = subprocess.Popen([sys.executable, "-m", "deltaflash", "generate", "--model", str(pair[0]), "--draft",
+                            str(pair[1]), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(n),
+                            "--ignore-eos", "--device", "cpu", "--json"], stdout=subprocess.PIPE, text=True,
+                           env=child_env())
+    c, common = client(server), dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
+    skipped = c.completions.create(extra_body={"ignore_eos": True, "return_token_ids": True}, **common).choices[0]
+    kept = c.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False}, **common).choices[0]
+    streamed = c.completions.create(stream=True, extra_body={"ignore_eos": True, "skip_special_tokens": False},
+                                    **common)
+    assert skipped.token_ids == out[:n]
+    assert "<|endoftext|>" not in skipped.text and kept.text.count("<|endoftext|>") == out[:n].count(0)
+    assert kept.text.replace("<|endoftext|>", "") == skipped.text
+    assert "".join(ch.choices[0].text for ch in streamed) == kept.text
+    assert json.loads(cli.communicate(timeout=300)[0])["text"] == skipped.text
+
+
+def test_chat_messages_reach_the_template_with_name_and_tool_calls(server):
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    messages = [{"role": "user", "content": "hi", "name": "bob"}, {"role": "assistant", "content": None,
+                                                                   "tool_calls": calls},
+                {"role": "tool", "content": "2", "tool_call_id": "call_1"}]
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        tokenized = http.post("/tokenize", json={"messages": messages}).json()
+        text = http.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
+        bare = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert text == ("<user name=bob>hi\n<assistant><tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool id=call_1><tool_response>2</tool_response>\n<assistant>")
+    assert tokenized["count"] == len(tokenized["tokens"]) > bare["count"] and tokenized["max_model_len"] == CONTEXT
+    r = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert r.usage.prompt_tokens == tokenized["count"]
+
+
+def test_tokenize_and_detokenize(server, solo):
+    tok = solo.tokenizer
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        r = http.post("/tokenize", json={"model": "tiny", "prompt": "def hello"}).json()
+        assert r == {"tokens": tok.encode("def hello", add_special_tokens=False), "count": len(r["tokens"]),
+                     "max_model_len": CONTEXT}
+        completion = client(server).completions.create(model="tiny", prompt="def hello", max_tokens=1)
+        assert completion.usage.prompt_tokens == r["count"]
+        assert http.post("/detokenize", json={"tokens": r["tokens"] + [0]}).json() == \
+            {"prompt": "def hello<|endoftext|>"}
+        assert http.post("/detokenize", json={"tokens": [0] + r["tokens"], "skip_special_tokens": True}).json() == \
+            {"prompt": "def hello"}
+        bad = [("/tokenize", {}, "prompt", "either"), ("/tokenize", {"prompt": 5}, "prompt", "string"),
+               ("/tokenize", {"prompt": "x", "messages": []}, "messages", "either"),
+               ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "role"),
+               ("/tokenize", {"prompt": "x" * (8 * CONTEXT + 1)}, "prompt", "without tokenizing"),
+               ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model", "gpt-4"),
+               ("/detokenize", {"tokens": "abc"}, "tokens", "integer"),
+               ("/detokenize", {"tokens": [1, 400]}, "tokens", "400")]
+        for path, body, param, words in bad:
+            r = http.post(path, json=body)
+            assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, (body, r.text)
+            assert words in r.json()["error"]["message"], r.text
+        for path in ("/tokenize", "/detokenize"):
+            assert httpx.post(server.url + path, json={"prompt": "x", "tokens": [1]}).status_code == 401
+
+
+def test_health_answers_head(server):
+    r = httpx.head(server.url + "/health", timeout=10)
+    assert r.status_code == 200 and r.content == b"" and "Retry-After" not in r.headers

@@ -37,7 +37,14 @@ def stream(url, max_tokens, out: dict, started: threading.Event | None = None):
             if started is not None and len(lines) > 2:
                 started.set()
     out["events"], out["elapsed"] = sse_payloads(lines), time.monotonic() - t0
-    out["finish"] = [e["choices"][0]["finish_reason"] for e in out["events"][:-1]][-1]
+    out["finish"] = [e["choices"][0]["finish_reason"] for e in out["events"][:-1] if "choices" in e][-1]
+
+
+def complete(url, max_tokens, out: dict):
+    body = {"prompt": [4, 5, 6], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    out["response"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    out["elapsed"] = time.monotonic() - t0
 
 
 def test_request_timeout_cancels_and_frees_the_slot(server):
@@ -49,23 +56,36 @@ def test_request_timeout_cancels_and_frees_the_slot(server):
     assert server.metric("deltaflash_requests_total", outcome="timeout") == 1
 
 
-def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(server):
-    long, short = {}, {}
+def test_sigterm_finishes_short_requests_answers_long_ones_503_and_exits_0(server):
+    """Requests the drain deadline cuts get an OpenAI-shaped 503 "server_shutdown" (an SSE error event then
+    [DONE] when streaming), never the non-OpenAI finish_reason "cancelled"."""
+    long, short, whole = {}, {}, {}
     threads = []
     for out, n in ((long, 4000), (short, 60)):
         started = threading.Event()
         threads.append(threading.Thread(target=stream, args=(server.url, n, out, started)))
         threads[-1].start()
         assert started.wait(30)
+    threads.append(threading.Thread(target=complete, args=(server.url, 4000, whole)))
+    threads[-1].start()
+    deadline = time.monotonic() + 30
+    while (h := server.health())["active_slots"] + h["queued"] < 3:  # all three submitted (2 slots)
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)  # drain: 1.5 s for in-flight requests, then cancel
+    server.proc.send_signal(signal.SIGTERM)  # drain: 1.5 s for in-flight requests, then a 503
     for t in threads:
         t.join(30)
     assert server.proc.wait(30) == 0
     assert time.monotonic() - t0 < 10
     assert short["finish"] == "length" and short["events"][-1] == "[DONE]"
-    assert long["finish"] == "cancelled" and long["events"][-1] == "[DONE]"
-    assert long["elapsed"] < 4  # cancelled by the drain deadline, not by --request-timeout
+    error = long["events"][-2]["error"]
+    assert error["code"] == "server_shutdown" and error["type"] == "server_error" and long["events"][-1] == "[DONE]"
+    assert all(e["choices"][0]["finish_reason"] is None for e in long["events"][:-2])
+    assert long["elapsed"] < 4  # cut by the drain deadline, not by --request-timeout
+    r = whole["response"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown" and whole["elapsed"] < 4
+    assert r.headers["Retry-After"] == "5"
     assert "stopped" in server.log.read_text()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)

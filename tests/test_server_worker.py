@@ -8,7 +8,7 @@ import torch
 
 from deltaflash.engine.engine import Engine
 from deltaflash.core.request import SamplingParams
-from deltaflash.server.errors import ServerUnavailable
+from deltaflash.server.errors import QueueFull, ServerUnavailable
 from deltaflash.server.metrics import Metrics
 from deltaflash.server.worker import EngineWorker, Job, WorkerConfig
 from deltaflash.server.textstream import TextStream
@@ -147,9 +147,21 @@ def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
     sched, log = EngineWorker(engine, WorkerConfig(), Metrics()), Log()
     sched.start()
     sched.submit(job("x", [1, 2], log, 4))
-    assert "device lost" in log.wait("x")[-1].error
+    error = log.wait("x")[-1].error
+    assert error.status == 500 and "device lost" in error.message
     with pytest.raises(ServerUnavailable):
         sched.submit(job("y", [1, 2], log, 4))
+
+
+def test_jobs_of_one_request_are_admitted_all_or_none(folder):
+    """n choices are n jobs: a request whose jobs do not all fit is refused whole (429), taking no room."""
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
+    worker, log = EngineWorker(engine, WorkerConfig(max_queue=2), Metrics()), Log()  # holds 3; not started
+    worker.submit(job("a0", [1], log, 4), job("a1", [1], log, 4))
+    with pytest.raises(QueueFull):
+        worker.submit(job("b0", [2], log, 4), job("b1", [2], log, 4))
+    worker.submit(job("c0", [3], log, 4))
+    assert worker.capacity == 3 and [j.request_id for j in worker._inbox_items()] == ["a0", "a1", "c0"]
 
 
 class PieceTokenizer:
@@ -157,7 +169,7 @@ class PieceTokenizer:
 
     pieces = {1: "he", 2: "l", 3: "lo", 4: " w", 5: "orld"}
 
-    def decode(self, ids, skip_special_tokens=False):
+    def decode(self, ids, **options):
         return "".join(self.pieces[i] for i in ids)
 
 
@@ -176,16 +188,48 @@ def test_text_stream_holds_back_possible_stop_prefixes():
 
 
 def test_text_stream_deltas_equal_full_decode(folder):
-    from deltaflash.tokenizer import load_tokenizer
+    from deltaflash.tokenizer import DecodeOptions, decode, load_tokenizer
 
     tok = load_tokenizer(folder)
     g = torch.Generator().manual_seed(0)
-    for _ in range(20):
+    for i in range(20):
         ids = torch.randint(0, 320, (40,), generator=g).tolist()  # random bytes: cut and invalid UTF-8
-        ts, pieces = TextStream(tok), []
-        for t in ids:
-            ts.push(t)
-            pieces.append(ts.take())
-        ts.finish()
-        pieces.append(ts.take(final=True))
-        assert "".join(pieces) == tok.decode(ids)
+        ids[i] = 0  # the special end-of-text token, at every place
+        for options in (DecodeOptions(), DecodeOptions(skip_special_tokens=False)):
+            ts, pieces = TextStream(tok, options=options), []
+            for t in ids:
+                ts.push(t)
+                pieces.append(ts.take())
+            ts.finish()
+            pieces.append(ts.take(final=True))
+            assert "".join(pieces) == decode(tok, ids, options)
+            assert ("<|endoftext|>" in "".join(pieces)) == (not options.skip_special_tokens)
+
+
+def test_drain_deadline_answers_503_and_queue_time_is_per_admission(folder):
+    """One slot, two jobs: the second's queue time spans the first's run. At the drain deadline the
+    running job gets a ServerUnavailable "server_shutdown" error, never finish_reason "cancelled"."""
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=256)
+    metrics, log = Metrics(), Log()
+    sample = metrics.registry.get_sample_value
+    worker = EngineWorker(engine, WorkerConfig(), metrics)
+    worker.start()
+    t0 = time.monotonic()
+    worker.submit(job("first", [1, 2, 3], log, 20))
+    worker.submit(job("second", [4, 5], log, 250))
+    log.wait("first")
+    first_s = time.monotonic() - t0
+    while sum(r == "second" for r, _ in log.entries) < 2:  # admitted, and a step published since
+        time.sleep(0.001)
+    assert sample("deltaflash_queue_time_seconds_count") == 2
+    assert sample("deltaflash_queue_time_seconds_sum") >= 0.8 * first_s  # the second waited for the slot
+    assert sample("deltaflash_slot_usage_ratio") == 1.0
+    worker.drain(0)
+    last = log.wait("second")[-1]
+    assert last.finish_reason is None and last.error.status == 503 and last.error.code == "server_shutdown"
+    worker.close()
+    assert sample("deltaflash_requests_total", {"outcome": "shutdown"}) == 1
+    assert sample("deltaflash_requests_total", {"outcome": "cancelled"}) == 0
+    assert sample("deltaflash_request_latency_seconds_count") == 1  # only "first" finished
+    assert sample("deltaflash_time_per_output_token_seconds_count") == 1
+    assert engine.num_live == 0 and sample("deltaflash_slot_usage_ratio") == 0

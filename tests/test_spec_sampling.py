@@ -28,10 +28,10 @@ def pair(tmp_path_factory):
                     for variant in ("dflash", "dflash2")}
 
 
-def accept_every_draft(logits, drafts, draft_q, n_draft, sampling):
+def accept_every_draft(logits, drafts, draft_q, n_draft, sampling, rules=None, top_logprobs=None):
     """A broken rule: every allowed draft is kept (no rejection step), the next token is the draft after."""
     if drafts.shape[1] == 0:
-        return accept(logits, drafts, draft_q, n_draft, sampling)
+        return accept(logits, drafts, draft_q, n_draft, sampling, rules, top_logprobs)
     tokens = torch.cat([drafts, drafts[:, :1]], dim=1)
     return Accepted(counts=n_draft, tokens=tokens)
 

@@ -10,9 +10,30 @@ from dataclasses import dataclass, field
 from deltaflash.errors import RequestError
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """Structured output: `kind` one of GRAMMAR_KINDS; `source` the JSON schema (json_schema), the
+    regular expression (regex) or the Lark grammar (lark) as text; empty for json_object."""
+
+    kind: str
+    source: str = ""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0 = off. seed None = a fresh random seed per request."""
+    """temperature 0 = greedy. top_k 0 = off. seed None = a fresh random seed per request.
+
+    Rules applied to every target row before greedy choice or sampling, identically with and without
+    speculation (speculative/logit_rules.py): repetition_penalty (1 = off; > 1 discourages tokens of
+    the prompt and output), presence / frequency penalties (0 = off; over output tokens), logit_bias
+    ((token id, bias), ...), min_tokens (stop tokens are masked until that many were generated),
+    grammar (only tokens the grammar allows). min_p (0 = off) filters the sampling distribution like
+    top_p. logprobs: None = none; k >= 0 = each generated token's log probability and the k most
+    likely tokens of its row (the model's distribution, before any rule or temperature)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -21,6 +42,23 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    grammar: GrammarSpec | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_rules(self) -> bool:
+        """Anything changes the raw target logits (speculative/logit_rules.py)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -33,6 +71,22 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in 0 .. 2^63-1, got {self.seed}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise RequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:
+                raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}")
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +122,8 @@ class Sequence:
     cancel_requested: bool = False
     accepted_lengths: list[int] = field(default_factory=list)
     draws: int = 0           # sampling steps taken (the noise counter)
+    matcher: object | None = None  # the grammar's state (speculative/grammar.py) when params.grammar is set
+    logprobs: list = field(default_factory=list)  # per generated token (TokenLogprob), when params.logprobs is set
 
     @property
     def position(self) -> int:
@@ -89,12 +145,24 @@ def resolve_seed(params: SamplingParams) -> int:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model and its row's `top` (token id, logprob)
+    pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StepEvent:
-    """Tokens a step produced for one request; `finish_reason` set on its last event."""
+    """Tokens a step produced for one request (and their logprobs, when asked for); `finish_reason`
+    set on its last event."""
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +199,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     accepted_lengths: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 _ids = itertools.count()

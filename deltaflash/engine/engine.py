@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from deltaflash.core.request import (
-    Completion, SamplingParams, Sequence, Status, StepEvent, StepReport, next_request_id, resolve_seed,
+    Completion, SamplingParams, Sequence, Status, StepEvent, StepReport, TokenLogprob, next_request_id, resolve_seed,
 )
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.runner import ModelRunner, StepResult
@@ -29,6 +29,7 @@ class Engine:
         Builds the runner and captures its CUDA graphs (`progress`: show a bar), so that no request
         pays for compilation or capture; `startup_s` says how long that took."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, model.cfg
+        self._grammar_compiler = None
         self.device = model.embed_tokens.weight.device
         block = drafter.config.block_size if drafter is not None else getattr(draft_source, "block_size", None)
         self.config = config.resolve(self.device, block)
@@ -89,13 +90,28 @@ class Engine:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the context length {self.config.max_model_len}")
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(self.cfg.eos_token_ids)
-        seq = Sequence(request_id or next_request_id(), [int(t) for t in prompt_ids], params, frozenset(stop),
+        seq = Sequence(request_id or next_request_id(), [int(t) for t in prompt_ids], params, self.stop_ids(params),
                        resolve_seed(params))
+        if params.grammar is not None:
+            seq.matcher = self._grammars().matcher(params.grammar)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a request (finish_reason "stop"; they are not text): its stop_token_ids and,
+        unless ignore_eos, the model's end-of-sequence tokens."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else
+                                                   frozenset(self.cfg.eos_token_ids))
+
+    def _grammars(self):
+        """The grammar compiler of this engine's tokenizer, built at the first structured request."""
+        if self.tokenizer is None:
+            raise RequestError("structured output needs the model's tokenizer and this model folder has none")
+        if self._grammar_compiler is None:
+            from deltaflash.speculative.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.cfg.vocab_size)
+        return self._grammar_compiler
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it is retired at the next step boundary."""
@@ -115,13 +131,13 @@ class Engine:
         result = self.runner.execute(plan)
         self._apply(plan, result, events)
         if on_report is not None:
-            speculated = tuple(n + 1 for n, w in zip(result.accepted, plan.widths) if w > 1)
+            speculated = tuple(n + 1 for n, w in zip(result.round.accepted, plan.widths) if w > 1)
             on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
-        completed = iter(result.first_tokens)
+        completed = iter(zip(result.first.tokens, result.first.logprobs))
         for chunk in plan.prefill:
             seq = chunk.seq
             seq.num_prefilled += len(chunk.tokens)
@@ -129,23 +145,26 @@ class Engine:
             if chunk.last:
                 seq.status = Status.DECODING
                 seq.draws += 1
-                self._emit(seq, [next(completed)], events)
+                self._emit(seq, *next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
-        for seq, width, accepted, tokens in zip(plan.decode, plan.widths, result.accepted, result.tokens):
+        out = result.round
+        for seq, width, accepted, tokens, logprobs in zip(plan.decode, plan.widths, out.accepted, out.tokens,
+                                                          out.logprobs):
             seq.draws += 1
             if width > 1:
                 seq.accepted_lengths.append(accepted + 1)
-            self._emit(seq, list(tokens), events)
+            self._emit(seq, tokens, logprobs, events)
 
     # ---- output and retirement ----------------------------------------------------------
-    def _emit(self, seq: Sequence, tokens: list[int], events: list[StepEvent]) -> None:
-        """Append new tokens, cutting at a stop token or max_new_tokens. The last kept token becomes
-        `pending` (the next row to feed) unless the sequence finished."""
+    def _emit(self, seq: Sequence, tokens: tuple[int, ...], logprobs, events: list[StepEvent]) -> None:
+        """Append new tokens (and their logprobs when the request asked), cutting at a stop token or
+        max_new_tokens or where the grammar completes (it consumes them). The last kept token becomes `pending` (the next row
+        to feed) unless the sequence finished."""
         kept, reason = [], None
         for tok in tokens:
             kept.append(tok)
-            if tok in seq.stop_ids:
+            if tok in seq.stop_ids or (seq.matcher is not None and seq.matcher.advance(tok)):
                 reason = "stop"
                 break
             if len(seq.output_ids) + len(kept) >= seq.params.max_new_tokens:
@@ -153,10 +172,15 @@ class Engine:
                 break
         seq.output_ids.extend(kept)
         seq.pending = kept[-1]
+        kept_logprobs = None
+        if seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            kept_logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in logprobs[:len(kept)])
+            seq.logprobs.extend(kept_logprobs)
         self.stats["generated_tokens"] += len(kept)
         if reason:
             self.scheduler.finish(seq, reason)
-        events.append(StepEvent(seq.request_id, tuple(kept), reason))
+        events.append(StepEvent(seq.request_id, tuple(kept), reason, kept_logprobs))
 
     # ---- offline generation -------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
@@ -181,5 +205,6 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        completions = [Completion(i, seqs[i].prompt_ids, out[i], reasons[i], seqs[i].accepted_lengths) for i in ids]
+        completions = [Completion(i, seqs[i].prompt_ids, out[i], reasons[i], seqs[i].accepted_lengths,
+                                  seqs[i].logprobs) for i in ids]
         return completions, elapsed

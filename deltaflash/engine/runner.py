@@ -18,25 +18,35 @@ from torch import Tensor
 from deltaflash.cache.commit import commit
 from deltaflash.cache.slots import SlotPool
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
-from deltaflash.core.request import RoundPhases
+from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import CudaGraphs
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
+from deltaflash.speculative.grammar import lane_masks
+from deltaflash.speculative.logit_rules import LogitRules
 from deltaflash.speculative.sampling import LaneSampling
 from deltaflash.speculative.sources import DFlashSource, DraftSource
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """first_tokens: the first generated token of each prefill chunk that completed its prompt (plan
-    order); accepted[i] / tokens[i]: drafts accepted and tokens emitted by decode lane i (accepted
-    drafts, then the next token). Seconds are host wall time."""
+class Emitted:
+    """What lanes produced, read to the host: accepted[i] drafts accepted by lane i, tokens[i] the
+    tokens it emits (accepted drafts, then the next token), logprobs[i] theirs (None: not asked for)."""
 
-    first_tokens: tuple[int, ...] = ()
     accepted: tuple[int, ...] = ()
     tokens: tuple[tuple[int, ...], ...] = ()
+    logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """first: the first generated token of each prefill chunk that completed its prompt (plan order);
+    round: decode lane i's output (plan.decode order). Seconds are host wall time."""
+
+    first: Emitted = Emitted()
+    round: Emitted = Emitted()
     prefill_s: float = 0.0
     decode_s: float = 0.0
     phases: RoundPhases = RoundPhases()
@@ -113,26 +123,17 @@ class ModelRunner:
         round_, marks = None, []
         if plan.decode:
             round_, marks = self._round(plan)
-        # the one host sync of the step: every result the host needs, in one read
-        parts = [t for t in (first, *((round_.accepted.counts, round_.accepted.tokens.flatten()) if round_ else ()))
-                 if t is not None]
-        host = torch.cat(parts).tolist() if parts else []
-        n_first = 0 if first is None else first.shape[0]
-        first_tokens, accepted, tokens = tuple(host[:n_first]), (), ()
+        first_out, round_out = read_emitted([first, round_.accepted if round_ else None])  # the step's one sync
         if round_ is not None:
-            L, W = round_.accepted.tokens.shape
-            accepted = tuple(host[n_first:n_first + L])
-            flat = host[n_first + L:]
-            tokens = tuple(tuple(flat[i * W:i * W + n + 1]) for i, n in enumerate(accepted))
             marks.append(self._now())
-            self._commit(plan, round_, accepted)
+            self._commit(plan, round_, round_out.accepted)
             marks.append(self._now())
         phases = RoundPhases(*(b - a for a, b in zip([clock, *marks], marks))) if round_ else RoundPhases()
-        return StepResult(first_tokens, accepted, tokens, prefill_s=t1 - t0,
+        return StepResult(first_out, round_out, prefill_s=t1 - t0,
                           decode_s=time.perf_counter() - t1 if round_ else 0.0, phases=phases)
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> Tensor | None:
-        """Run the chunks; returns the first tokens [n] of the chunks that complete their prompt."""
+    def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> Accepted | None:
+        """Run the chunks; returns the first tokens [n, 1] of the chunks that complete their prompt."""
         batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
         logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
         if self.source is not None and taps is not None:  # prompt rows become draft context
@@ -147,7 +148,8 @@ class ModelRunner:
                                       self.device)
         rows = (logits if len(done) == len(chunks) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
-        return accept(rows, none[:, None][:, :0], None, none, sampling).tokens[:, 0]
+        drafts = none[:, None][:, :0]
+        return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs))
 
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width
@@ -162,8 +164,19 @@ class ModelRunner:
         marks = [self._now()]
         out = self.verify(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start, max(starts) + W)
         marks.append(self._now())
-        accepted = accept(out.logits, drafts, draft_q, n_draft, sampling)
+        accepted = accept(out.logits, drafts, draft_q, n_draft, sampling, self._rules(seqs, drafts, W),
+                          top_logprobs(seqs))
         return _Round(slot_ids, start, out, accepted), marks
+
+    def _rules(self, seqs, drafts: Tensor, width: int) -> LogitRules | None:
+        """The lanes' logit rules. Grammar lanes need their drafts on the host to walk the grammar:
+        a second host read, paid only by rounds with such a lane."""
+        masks = None
+        grammar = [s.matcher for s in seqs if s.matcher is not None]
+        if grammar:
+            host = drafts.tolist() if width > 1 else None
+            masks = to_device(lane_masks(seqs, host, width, grammar[0].words), self.device)
+        return LogitRules.build(seqs, self.cfg.vocab_size, self.device, masks)
 
     def _commit(self, plan: StepPlan, round_: _Round, accepted: tuple[int, ...]) -> None:
         """Commit each lane's anchor and accepted drafts; they become draft context too."""
@@ -208,3 +221,47 @@ class ModelRunner:
         if self.config.sync_phase_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def top_logprobs(seqs) -> int | None:
+    """The most top logprobs a lane asks for (None: no lane asks for logprobs)."""
+    asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    return max(asked) if asked else None
+
+
+def read_emitted(results: list[Accepted | None]) -> list[Emitted]:
+    """Every result of the step in one device -> host read (the step's one sync): ints alone when no
+    logprobs are asked for, else everything as float64 (exact for token ids)."""
+    parts, shapes = [], []
+    for acc in results:
+        fields = () if acc is None else tuple(t for t in (acc.counts, acc.tokens, acc.top_ids, acc.logprobs,
+                                                         acc.top_logprobs) if t is not None)
+        parts += [t.flatten() for t in fields]
+        shapes.append([t.shape for t in fields])
+    if not parts:
+        return [Emitted() for _ in results]
+    floats = any(p.is_floating_point() for p in parts)
+    host = torch.cat([p.double() for p in parts] if floats else parts).tolist()
+    out, at = [], 0
+    for acc, field_shapes in zip(results, shapes):
+        if acc is None:
+            out.append(Emitted())
+            continue
+        values = []
+        for shape in field_shapes:
+            n = shape.numel()
+            values.append(host[at:at + n])
+            at += n
+        counts = [int(c) for c in values[0]]
+        L, W = acc.tokens.shape
+        tokens = tuple(tuple(int(t) for t in values[1][i * W:i * W + c + 1]) for i, c in enumerate(counts))
+        logprobs = (None,) * L
+        if acc.logprobs is not None:
+            k = 0 if acc.top_ids is None else acc.top_ids.shape[-1]
+            top_ids = values[2] if k else []
+            lps, top_lps = values[-2 if k else -1], values[-1] if k else []
+            logprobs = tuple(tuple(TokenLogprob(t, lps[i * W + n], tuple(
+                (int(top_ids[(i * W + n) * k + j]), top_lps[(i * W + n) * k + j]) for j in range(k)))
+                for n, t in enumerate(tokens[i])) for i in range(L))
+        out.append(Emitted(tuple(counts), tokens, logprobs))
+    return out

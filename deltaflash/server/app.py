@@ -1,5 +1,6 @@
-"""The HTTP layer: FastAPI routes. Handlers validate, tokenize, submit a job to the worker and relay
-its outputs; they never touch the engine.
+"""The HTTP layer: FastAPI routes. Handlers hand the body to the frontend's thread (parse, template,
+tokenize), submit a job to the worker and relay its outputs; they never touch the engine. Besides the
+OpenAI routes: /health (GET, HEAD), /metrics, and vLLM's /tokenize and /detokenize.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -19,20 +21,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaflash.server.errors import (
-    ApiError, ModelNotFound, NotFound, PayloadTooLarge, QueueFull, ServerFailure, ServerUnavailable, Unauthorized,
+    ApiError, BadRequest, ModelNotFound, NotFound, PayloadTooLarge, QueueFull, ServerFailure, ServerUnavailable,
+    Unauthorized,
 )
 from deltaflash.server.frontend import Frontend, Prepared
 from deltaflash.server.metrics import Metrics
-from deltaflash.server.protocol import ApiRequest, parse_chat, parse_completion, parse_json
+from deltaflash.server.protocol import (
+    ApiRequest, parse_chat, parse_completion, parse_detokenize, parse_json, parse_tokenize,
+)
 from deltaflash.server.relay import collect, stream
 from deltaflash.server.responses import Formatter
-from deltaflash.server.worker import Job, EngineWorker
+from deltaflash.server.worker import EngineWorker, Job, Output
+
+log = logging.getLogger("deltaflash.server")
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    api_key: str | None = None         # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None         # when set, /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>"
     max_body_bytes: int = 32 << 20
+    strict_fields: bool = False        # unknown request fields: a 400 instead of a logged warning
 
 
 def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settings: ServerSettings,
@@ -46,15 +54,15 @@ def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settin
             on_ready()
         yield
         await asyncio.to_thread(worker.close)
+        frontend.close()
 
     app = FastAPI(title="deltaflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         outcome = {Unauthorized: "unauthorized", QueueFull: "queue_full", ServerUnavailable: "unavailable"}
-        if not isinstance(exc, ServerFailure):
-            metrics.requests.labels(outcome=outcome.get(type(exc), "invalid")).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        metrics.requests.labels(outcome=outcome.get(type(exc), "invalid")).inc()
+        return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -75,13 +83,33 @@ def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settin
         if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise Unauthorized("incorrect API key in the Authorization header")
 
-    @app.get("/health")
-    async def health():
+    warned: set[str] = set()  # unknown field names already logged
+
+    async def read(request: Request, parse: Callable, prepare: Callable):
+        """(request, prepare(request)): the body parsed by `parse` and prepared, on the frontend's thread."""
+        authorize(request)
+        raw = await _read_body(request, settings.max_body_bytes)
+
+        def work():
+            req = parse(parse_json(raw), settings.strict_fields)
+            return req, prepare(req)
+
+        req, prepared = await frontend.run(work)
+        for name in set(req.ignored_fields) - warned:
+            warned.add(name)
+            log.warning("ignoring the unknown request field %r (logged once; --strict-fields rejects it)", name)
+        return req, prepared
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request):
         load = worker.load
         status = "ok" if load.alive and not load.draining else ("draining" if load.alive else "failed")
         body = {"status": status, "active_slots": load.active_slots, "queued": load.queued,
                 "max_slots": load.max_slots}
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        code, headers = (200, None) if status == "ok" else (503, {"Retry-After": str(ServerUnavailable.retry_after)})
+        if request.method == "HEAD":
+            return Response(status_code=code, headers=headers, media_type="application/json")
+        return JSONResponse(body, status_code=code, headers=headers)
 
     @app.get("/metrics")
     async def prometheus():
@@ -111,22 +139,42 @@ def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settin
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _, ids = await read(request, parse_tokenize, frontend.tokenize)
+        return {"tokens": ids, "count": len(ids), "max_model_len": card.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _, text = await read(request, parse_detokenize, frontend.detokenize)
+        return {"prompt": text}
+
     async def generate(request: Request, chat: bool):
-        authorize(request)
-        body = parse_json(await _read_body(request, settings.max_body_bytes))
-        req: ApiRequest = parse_chat(body) if chat else parse_completion(body)
-        prep: Prepared = frontend.prepare(req)
+        """One engine job per choice (`{request id}-{choice index}`), submitted together."""
+        req: ApiRequest
+        prep: Prepared
+        req, prep = await read(request, parse_chat if chat else parse_completion, frontend.prepare)
+        if len(prep.params) > worker.capacity:
+            raise BadRequest(f"{len(prep.params)} choices (n x prompts) exceed the {worker.capacity} requests this "
+                             "server holds at once (--max-concurrency + --max-queue)", param="n")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        worker.submit(Job(request_id, prep.prompt_ids, prep.params, prep.stop_strings,
-                             lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)))
-        fmt = Formatter(chat, request_id, card.name, int(time.time()), req.return_token_ids)
-        cancel = functools.partial(worker.cancel, request_id)
+
+        def sink(index: int) -> Callable[[Output], None]:
+            return lambda out: loop.call_soon_threadsafe(outputs.put_nowait, (index, out))
+
+        jobs = [Job(f"{request_id}-{i}", prep.prompt_of(i), params, prep.stop_strings, sink(i), prep.decode)
+                for i, params in enumerate(prep.params)]
+        worker.submit(*jobs)
+        fmt = Formatter(chat, request_id, card.name, int(time.time()), req.return_token_ids,
+                        logprobs=req.sampling.logprobs is not None)
+        cancel = functools.partial(worker.cancel, *(job.request_id for job in jobs))
         if req.stream:
-            return StreamingResponse(stream(outputs, fmt, req.include_usage, cancel), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await collect(outputs, fmt, prep.prompt_ids, request.receive, cancel)
+            events = stream(outputs, fmt, len(jobs), sum(map(len, prep.prompts)), req.include_usage, cancel,
+                            req.tools)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await collect(outputs, fmt, prep.prompts, prep.n, request.receive, cancel, req.tools)
 
     return app
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from deltaflash.engine.args import add_engine_args
+from deltaflash.errors import DeltaflashError
 
 
 def register(sub) -> None:
@@ -22,12 +23,33 @@ def register(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=0.0,
                    help="seconds; a request running longer is cancelled (0: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled")
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then they are answered "
+                        "with HTTP 503 (code server_shutdown)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="reject request fields deltaflash does not know with HTTP 400 (default: ignore them, "
+                        "logging each name once)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
+    check_flags(args)  # before the heavy imports, the port and the weights
     from deltaflash.server.launcher import serve
 
     return serve(args)
+
+
+def check_flags(args) -> None:
+    """The numeric flags' ranges (the engine's flags that need files are checked before loading, in
+    engine/args.py)."""
+    for name, value, low, high in (("--max-model-len", args.max_model_len, 2, None),
+                                   ("--block-size", args.block_size, 0, None),
+                                   ("--max-concurrency", args.max_concurrency, 1, None),
+                                   ("--max-queue", args.max_queue, 0, None),
+                                   ("--prefill-chunk", args.prefill_chunk, 1, None),
+                                   ("--request-timeout", args.request_timeout, 0, None),
+                                   ("--shutdown-timeout", args.shutdown_timeout, 0, None),
+                                   ("--port", args.port, 0, 65535)):
+        if value < low or (high is not None and value > high):
+            span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise DeltaflashError(f"{name} must be {span}, got {value}")

@@ -1,20 +1,32 @@
 """Validated API requests -> engine inputs: chat template, tokenization, checks against the model.
 
-Runs in the HTTP handlers and owns its own tokenizer instance (the engine worker detokenizes with the
-engine's), so no tokenizer is shared between threads.
+The frontend owns its tokenizer instance (the engine worker detokenizes with the engine's) and the one
+thread that uses it: handlers hand it their work through `run`, so templates and tokenization never
+block the event loop and no tokenizer is shared between threads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import hashlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from deltaflash.core.request import SamplingParams
 from deltaflash.errors import RequestError
 from deltaflash.server.errors import BadRequest, ModelNotFound
-from deltaflash.server.protocol import ApiRequest
-from deltaflash.tokenizer import encode_chat, encode_prompt
+from deltaflash.server.protocol import ApiRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from deltaflash.server.tools import ToolRequest, detect_style, template_messages, tool_grammar
+from deltaflash.speculative.grammar import grammar_text
+from deltaflash.tokenizer import DecodeOptions, decode, encode_chat, encode_prompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# Text longer than max_model_len * MAX_BYTES_PER_TOKEN bytes of UTF-8 is refused without tokenizing it.
+# BPE tokens of prose, code and CJK text average 3-5 bytes, so text of more than 8 bytes per token of
+# the context would not fit it anyway (bar pathological runs of long tokens); the bound also caps the
+# text one request can make the tokenizer thread work through.
+MAX_BYTES_PER_TOKEN = 8
 
 
 @dataclass(frozen=True)
@@ -30,65 +42,164 @@ class ModelCard:
 
 @dataclass(frozen=True)
 class Prepared:
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
+    """One API request as engine requests: the token ids of each prompt and one SamplingParams per choice.
+    Choice i samples prompts[i // n] (OpenAI's order: each prompt's n samples together)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    params: tuple[SamplingParams, ...]
     stop_strings: tuple[str, ...]
+    decode: DecodeOptions
+
+    @property
+    def n(self) -> int:
+        return len(self.params) // len(self.prompts)
+
+    def prompt_of(self, choice: int) -> tuple[int, ...]:
+        return self.prompts[choice // self.n]
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of a prompt's sample `sample` (0 .. n-1) when the request gives `seed`: sample 0 uses the
+    seed itself (n = 1 is unchanged), sample i > 0 the first 63 bits of BLAKE2b-64 of "{seed}:{i}", so
+    each sample draws its own reproducible stream. No seed: None (each engine request draws a fresh one)."""
+    if seed is None or sample == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 class Frontend:
     def __init__(self, card: ModelCard, tokenizer):
         self.card, self.tokenizer = card, tokenizer
+        self.tool_style = detect_style(getattr(tokenizer, "chat_template", None))  # how the model writes calls
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="deltaflash-frontend")
 
+    async def run(self, work: Callable, *args):
+        """`work(*args)` on the frontend's thread (parsing, templates, tokenization)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    # ---- on the frontend thread ------------------------------------------------------------------
     def prepare(self, req: ApiRequest) -> Prepared:
-        if req.model is not None and req.model != self.card.name:
-            raise ModelNotFound(f"model {req.model!r} does not exist; this server serves {self.card.name!r}",
-                                param="model")
-        prompt_field = "messages" if req.chat else "prompt"
-        ids = self._prompt_ids(req, prompt_field)
+        """A generation request's engine inputs, checked against the model (BadRequest naming the field). A
+        chat request's tools go into the chat template; a tool_choice that forces calls becomes the grammar
+        of calls in the checkpoint's style (server/tools.py)."""
+        self._check_model(req.model)
         s = req.sampling
-        if s.stop_strings and self.tokenizer is None:
-            raise BadRequest("stop strings need a tokenizer and this model folder has none; give token ids",
-                             param="stop")
-        bad = [t for t in s.stop_token_ids if not 0 <= t < self.card.vocab_size]
-        if bad:
-            raise BadRequest(f"stop token id {bad[0]} is outside the vocabulary 0..{self.card.vocab_size - 1}",
-                             param="stop")
-        room = self.card.max_model_len - len(ids)
+        grammar = tool_grammar(req.tools, self.tool_style) if req.tools is not None else None
+        if grammar is not None:  # tool_choice forces calls; protocol.py refused a structured output beside it
+            s = replace(s, grammar=grammar, grammar_param="tool_choice")
+        self._check_sampling(s)
+        if req.chat:
+            prompts = {"messages": self._prompt_ids(None, req.messages, "messages", req.text_bytes, tools=req.tools)}
+        else:
+            fields = ["prompt"] if len(req.prompts) == 1 else [f"prompt[{i}]" for i in range(len(req.prompts))]
+            prompts = {field: self._prompt_ids(prompt, None, field, n_bytes)
+                       for field, prompt, n_bytes in zip(fields, req.prompts, req.prompt_bytes)}
+        params = []
+        for field, ids in prompts.items():
+            base = self._params(s, field, len(ids), req.chat)
+            params += [replace(base, seed=sample_seed(s.seed, i)) for i in range(req.n)]
+        return Prepared(tuple(tuple(ids) for ids in prompts.values()), tuple(params), s.stop_strings, req.decode)
+
+    def _check_sampling(self, s: Sampling) -> None:
+        """The request's sampling fields against the model: token ids in the vocabulary, a tokenizer for
+        what needs one, a grammar llguidance accepts."""
+        vocab = self.card.vocab_size
+        for field, ids in (("stop", s.stop_token_ids), ("logit_bias", [t for t, _ in s.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise BadRequest(f"{field}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param=field)
+        if self.tokenizer is None:
+            for field, used in (("stop", s.stop_strings), ("logprobs", s.logprobs is not None),
+                                (s.grammar_param, s.grammar is not None)):
+                if used:
+                    raise BadRequest(f"{field} needs the model's tokenizer and this model folder has none",
+                                     param=field)
+        if s.grammar is not None:
+            try:
+                grammar_text(s.grammar)
+            except (RequestError, ValueError) as exc:  # llguidance raises ValueError on text it cannot read
+                raise BadRequest(f"{s.grammar_param}: {exc}", param=s.grammar_param) from None
+
+    def _params(self, s: Sampling, field: str, prompt_len: int, chat: bool) -> SamplingParams:
+        """The engine's sampling parameters for one prompt (`field`) of `prompt_len` tokens."""
+        room = self.card.max_model_len - prompt_len
         if room < 1:
-            raise BadRequest(f"{prompt_field} is {len(ids)} tokens; the context is {self.card.max_model_len} tokens "
-                             "and must leave room for at least one generated token", param=prompt_field,
+            raise BadRequest(f"{field} is {prompt_len} tokens; the context is {self.card.max_model_len} tokens "
+                             "and must leave room for at least one generated token", param=field,
                              code="context_length_exceeded")
         max_tokens = s.max_tokens
         if max_tokens is None:
-            max_tokens = room if req.chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+            max_tokens = room if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
         elif max_tokens > room:
-            raise BadRequest(f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the context of "
+            raise BadRequest(f"max_tokens ({max_tokens}) + {field} ({prompt_len} tokens) exceeds the context of "
                              f"{self.card.max_model_len} tokens; at most {room} tokens can be generated",
                              param="max_tokens", code="context_length_exceeded")
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                seed=s.seed, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+        if s.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({s.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+            stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, min_p=s.min_p,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias, min_tokens=s.min_tokens,
+            logprobs=s.logprobs, grammar=s.grammar)
         try:
             params.validate()
         except RequestError as exc:
             raise BadRequest(str(exc)) from None
-        return Prepared(tuple(ids), params, s.stop_strings)
+        return params
 
-    def _prompt_ids(self, req: ApiRequest, field: str) -> list[int]:
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        self._check_model(req.model)
+        field = "prompt" if req.prompt is not None else "messages"
+        return self._prompt_ids(req.prompt, req.messages, field, req.text_bytes, req.add_generation_prompt,
+                                check_vocab=False, tools=req.tools)
+
+    def detokenize(self, req: DetokenizeRequest) -> str:
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise BadRequest("this model folder has no tokenizer, so token ids cannot become text", param="tokens")
+        bad = [t for t in req.tokens if not 0 <= t < self.card.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary 0..{self.card.vocab_size - 1}",
+                             param="tokens")
+        return decode(self.tokenizer, req.tokens, req.decode)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.card.name:
+            raise ModelNotFound(f"model {model!r} does not exist; this server serves {self.card.name!r}",
+                                param="model")
+
+    def _prompt_ids(self, prompt, messages, field: str, text_bytes: int, add_generation_prompt: bool = True,
+                    check_vocab: bool = True, tools: ToolRequest | None = None) -> list[int]:
+        """Token ids of a completion prompt (text or ids) or of chat messages (and the tools the template
+        renders); text too long for the context is refused before the tokenizer sees it."""
+        limit = self.card.max_model_len * MAX_BYTES_PER_TOKEN
+        if text_bytes > limit:
+            raise BadRequest(f"{field} is {text_bytes} bytes of text; more than {limit} bytes ({MAX_BYTES_PER_TOKEN} "
+                             f"per token of the {self.card.max_model_len}-token context) is refused without "
+                             "tokenizing", param=field, code="context_length_exceeded")
         try:
-            if req.chat:
-                ids = encode_chat(self.tokenizer, list(req.messages))
-            elif isinstance(req.prompt, str):
-                ids = encode_prompt(self.tokenizer, req.prompt)
+            if messages is not None:
+                ids = encode_chat(self.tokenizer, template_messages(messages), add_generation_prompt,
+                                  tools.template_tools() if tools is not None else None)
             else:
-                ids = list(req.prompt)
+                ids = list(prompt) if isinstance(prompt, tuple) else encode_prompt(self.tokenizer, prompt)
         except RequestError as exc:
             raise BadRequest(f"{field}: {exc}", param=field) from None
-        except Exception as exc:  # a chat template that raises on these messages (jinja TemplateError, ...)
+        except Exception as exc:
+            if messages is None:  # the tokenizer failing on valid Unicode is a server bug (500)
+                raise
+            # text is valid Unicode (protocol.py checks): the template failed (jinja TemplateError, ...)
             raise BadRequest(f"{field}: the chat template failed: {exc}", param=field) from None
-        if not ids:
+        if check_vocab and not ids:
             raise BadRequest(f"{field} tokenizes to no tokens", param=field)
-        bad = [t for t in ids if not 0 <= t < self.card.vocab_size]
-        if bad:
-            raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.card.vocab_size - 1}",
-                             param=field)
+        if check_vocab and len(ids) <= self.card.max_model_len:  # longer ones fail the context check
+            bad = [t for t in ids if not 0 <= t < self.card.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.card.vocab_size - 1}",
+                                 param=field)
         return ids

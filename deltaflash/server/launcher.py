@@ -24,11 +24,8 @@ from deltaflash.tokenizer import load_tokenizer
 
 
 def serve(args) -> int:
-    for name, value, low in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
-                             ("--prefill-chunk", args.prefill_chunk, 1), ("--request-timeout", args.request_timeout, 0),
-                             ("--shutdown-timeout", args.shutdown_timeout, 0)):
-        if value < low:
-            raise DeltaflashError(f"{name} must be >= {low}, got {value}")
+    """`deltaflash serve` with flags `cli.check_flags` accepted: listen first (a busy port fails before
+    the weights load), then build the engine, then answer."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t0 = time.perf_counter()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -54,7 +51,7 @@ def serve(args) -> int:
               file=sys.stderr, flush=True)
 
     app = build_app(Frontend(card, load_tokenizer(args.model)), worker, metrics,
-                    ServerSettings(api_key=args.api_key), on_ready=ready)
+                    ServerSettings(api_key=args.api_key, strict_fields=args.strict_fields), on_ready=ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
     DrainingServer(config, worker, args.shutdown_timeout).run(sockets=[sock])
@@ -67,9 +64,9 @@ def build_engine(args) -> Engine:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn where SIGTERM/SIGINT first drain the worker (stop admitting; in-flight requests finish
-    or are cancelled at the deadline, so every stream ends with a finish_reason) and the process then
-    exits 0 instead of re-raising the signal."""
+    """uvicorn where SIGTERM/SIGINT first drain the worker (stop admitting; in-flight requests finish,
+    or at the deadline are answered with a 503 "server_shutdown" error, so every client gets an answer)
+    and the process then exits 0 instead of re-raising the signal."""
 
     def __init__(self, config: uvicorn.Config, worker: EngineWorker, deadline_s: float):
         super().__init__(config)

@@ -12,6 +12,9 @@ from deltaflash.core.request import StepReport
 
 _PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 # outcomes of `deltaflash_requests_total`
 FINISHED = ("stop", "length")
@@ -28,6 +31,9 @@ class Metrics:
             self.requests.labels(outcome=outcome)
         self.queue_depth = Gauge("deltaflash_queue_depth", "Admitted requests waiting for a slot", registry=r)
         self.active_slots = Gauge("deltaflash_active_slots", "Slots holding a live sequence", registry=r)
+        self.slot_usage = Gauge("deltaflash_slot_usage_ratio",
+                                "Live slots / slots (the KV-cache usage: each slot holds one sequence's cache)",
+                                registry=r)
         self.prompt_tokens = Counter("deltaflash_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("deltaflash_generated_tokens", "Tokens generated", registry=r)
         buckets = tuple(range(1, max(block_size, 1) + 1))
@@ -38,6 +44,16 @@ class Metrics:
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.ttft = Histogram("deltaflash_time_to_first_token_seconds", "Submission to first generated token",
                               buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_time = Histogram("deltaflash_queue_time_seconds",
+                                    "Submission to admission into a slot (the start of the engine step that "
+                                    "admitted it; the engine admits first come, first served)",
+                                    buckets=_QUEUE_BUCKETS, registry=r)
+        self.request_latency = Histogram("deltaflash_request_latency_seconds",
+                                         "Submission to last token of requests that finished (stop or length)",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("deltaflash_time_per_output_token_seconds",
+                                               "Per finished request of 2+ tokens: (last token - first token) / "
+                                               "(tokens - 1)", buckets=_TPOT_BUCKETS, registry=r)
 
     def observe_step(self, report: StepReport) -> None:
         if report.prefill_tokens:
@@ -46,6 +62,13 @@ class Metrics:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
         for n in report.accepted_lengths:
             self.accepted_length.observe(n)
+
+    def observe_finished(self, latency_s: float, tokens: int, first_token_at: float | None,
+                         last_token_at: float | None) -> None:
+        """A request finished (stop or length): `latency_s` since submission; token times in seconds."""
+        self.request_latency.observe(latency_s)
+        if tokens >= 2:
+            self.time_per_output_token.observe((last_token_at - first_token_at) / (tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,71 +1,125 @@
-"""Relaying a job's outputs to its client: SSE chunks or one JSON body. A client that goes away
-(or a handler that is cancelled) cancels its job, which the engine worker retires at the next round."""
+"""Relaying a request's outputs to its client: SSE chunks or one JSON body. A request has one engine job
+per choice; the outputs of all of them arrive on one queue as (choice index, Output). A client that
+goes away (or a handler that is cancelled) cancels every job, which the engine worker retires at the
+next round. A job that ends in an error (a server failure, a shutdown) ends a stream with an SSE error
+event and [DONE], or answers with the error's status; the request's other jobs are cancelled. A chat
+request with tools runs each choice's text through a tool-call parser: content and `tool_calls`."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, Response
 
-from deltaflash.server.errors import ServerFailure
-from deltaflash.server.responses import DONE, Formatter, sse
+from deltaflash.server.responses import DONE, Choice, Formatter, sse
+from deltaflash.server.textstream import TextLogprob
+from deltaflash.server.tools import CallDelta, TextDelta, ToolCallParser, ToolRequest, finish_reason
 from deltaflash.server.worker import Output
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
 
 
-async def stream(outputs: asyncio.Queue, fmt: Formatter, include_usage: bool,
-                 cancel: Callable[[], None]) -> AsyncIterator[bytes]:
-    """SSE events. Starlette cancels this generator when the client disconnects."""
-    finished = False
+@dataclass
+class _Progress:
+    """One choice's outputs so far. `parser`: the tool-call parser of a chat choice with tools, which turns
+    its text into `content` and `calls`; without one the content is the text. Logprobs and token ids are
+    the tokens', as they come, whether the parser has decided their text yet or not."""
+
+    parser: ToolCallParser | None = None
+    content: list[str] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TextLogprob] = field(default_factory=list)
+    text_offset: int = 0          # summed length of the token texts of its logprobs so far
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # "tool_calls" when it stopped after a call
+
+    def add(self, out: Output) -> tuple[str, list[CallDelta]]:
+        """Take `out`; returns the content and the calls it adds."""
+        text, calls = out.text, []
+        if self.parser is not None:
+            pieces = self.parser.feed(out.text) + (self.parser.finish() if out.finish_reason else [])
+            text = "".join(p.text for p in pieces if isinstance(p, TextDelta))
+            calls = [p for p in pieces if isinstance(p, CallDelta)]
+        self.content.append(text)
+        self.calls.extend(calls)
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or ())
+        self.text_offset += sum(len(e.token) for e in out.logprobs or ())
+        self.completion_tokens = out.completion_tokens
+        self.finish_reason = out.finish_reason and finish_reason(out.finish_reason, len(self.calls))
+        return text, calls
+
+    def choice(self, index: int, prompt_ids: tuple[int, ...]) -> Choice:
+        content = "".join(self.content)
+        return Choice(index, None if self.calls and not content else content, tuple(self.token_ids),
+                      tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls))
+
+
+def _progress(choices: int, tools: ToolRequest | None) -> list[_Progress]:
+    return [_Progress(ToolCallParser(tools) if tools is not None else None) for _ in range(choices)]
+
+
+async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_tokens: int, include_usage: bool,
+                 cancel: Callable[[], None], tools: ToolRequest | None = None) -> AsyncIterator[bytes]:
+    """SSE events: chunks of the choices interleaved as they come, each with its index, a finish chunk
+    per choice, then (include_usage) one usage chunk and [DONE]. Starlette cancels this generator when
+    the client disconnects. `prompt_tokens`: those of every prompt, each counted once. `tools`: a chat
+    request's, whose calls stream as `delta.tool_calls`."""
+    progress = _progress(choices, tools)
+    finished = 0
     try:
         if fmt.chat:
-            yield sse(fmt.role_chunk(include_usage))
-        while True:
-            out: Output = await outputs.get()
+            for index in range(choices):
+                yield sse(fmt.role_chunk(index, include_usage))
+        while finished < choices:
+            index, out = await outputs.get()
             if out.error is not None:
-                finished = True
-                yield sse(ServerFailure(out.error).body())
+                yield sse(out.error.body())
                 break
-            if out.text or out.finish_reason or (fmt.return_token_ids and out.token_ids):
-                yield sse(fmt.chunk(out.text, out.token_ids, out.finish_reason, include_usage))
+            offset = progress[index].text_offset
+            text, calls = progress[index].add(out)
+            if text or calls or out.finish_reason or out.logprobs or (fmt.return_token_ids and out.token_ids):
+                yield sse(fmt.chunk(index, text, out.token_ids, out.logprobs, progress[index].finish_reason, offset,
+                                    include_usage, [c.openai() for c in calls]))
             if out.finish_reason is not None:
-                finished = True
-                if include_usage:
-                    yield sse(fmt.usage_chunk(out.prompt_tokens, out.completion_tokens))
-                break
+                finished += 1
+        if finished == choices and include_usage:
+            yield sse(fmt.usage_chunk(prompt_tokens, sum(p.completion_tokens for p in progress)))
         yield DONE
     finally:
-        if not finished:
+        if finished < choices:
             cancel()
 
 
-async def collect(outputs: asyncio.Queue, fmt: Formatter, prompt_ids: tuple[int, ...], receive,
-                  cancel: Callable[[], None]) -> Response:
-    """Wait for the whole result, watching the connection: a client gone before it cancels the job."""
-    text, token_ids, finished = [], [], False
+async def collect(outputs: asyncio.Queue, fmt: Formatter, prompts: tuple[tuple[int, ...], ...], n: int, receive,
+                  cancel: Callable[[], None], tools: ToolRequest | None = None) -> Response:
+    """Wait for every choice (choice i continues prompts[i // n]), watching the connection: a client
+    gone before the end cancels the jobs. `tools`: a chat request's, whose calls become `tool_calls`."""
+    progress = _progress(len(prompts) * n, tools)
+    finished = 0
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
-        while True:
+        while finished < len(progress):
             getter = asyncio.ensure_future(outputs.get())
             await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
                 return Response(status_code=CLIENT_CLOSED)
-            out: Output = getter.result()
+            index, out = getter.result()
             if out.error is not None:
-                finished = True
-                raise ServerFailure(out.error)
-            text.append(out.text)
-            token_ids.extend(out.token_ids)
+                return out.error.response()
+            progress[index].add(out)
             if out.finish_reason is not None:
-                finished = True
-                return JSONResponse(fmt.body("".join(text), token_ids, out.finish_reason, prompt_ids,
-                                             out.completion_tokens))
+                finished += 1
+        choices = [p.choice(i, prompts[i // n]) for i, p in enumerate(progress)]
+        return JSONResponse(fmt.body(choices, sum(len(p) for p in prompts),
+                                     sum(p.completion_tokens for p in progress)))
     finally:
         gone.cancel()
-        if not finished:
+        if finished < len(progress):
             cancel()
 
 

@@ -1,11 +1,15 @@
-"""OpenAI response bodies and server-sent-event chunks for one request."""
+"""OpenAI response bodies and server-sent-event chunks for one request (one or more choices)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deltaflash.server.textstream import TextLogprob
+
 DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot hold (as vLLM does)
 
 
 def sse(payload: dict) -> bytes:
@@ -18,36 +22,72 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One finished choice of a full body. `prompt_ids`: the prompt it continues. `text`: a chat choice's
+    content, None when the answer is only `tool_calls` (OpenAI's message format)."""
+
+    index: int
+    text: str | None
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TextLogprob, ...]
+    finish_reason: str
+    prompt_ids: tuple[int, ...]
+    tool_calls: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
 class Formatter:
-    """`return_token_ids` adds `token_ids` to each choice (and `prompt_token_ids` to full bodies)."""
+    """`return_token_ids` adds `token_ids` to each choice and the prompt's `prompt_token_ids` (to each
+    completions choice, to the chat body: vLLM's places). `logprobs`: the request asked for them.
+
+    Logprobs, per token: chat {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}]}; completions OpenAI's legacy {"tokens", "token_logprobs", "top_logprobs":
+    [{token: logprob}] (the top tokens and the chosen one), "text_offset"}, where a token's text_offset
+    is the summed length of the texts of the tokens before it in its choice."""
 
     chat: bool
     request_id: str
     model: str
     created: int
     return_token_ids: bool
+    logprobs: bool = False
 
-    def body(self, text: str, token_ids: list[int], finish_reason: str, prompt_ids: tuple[int, ...],
-             completion_tokens: int) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        out = self._head(chunk=False) | {"choices": [choice], "usage": usage(len(prompt_ids), completion_tokens)}
-        if self.return_token_ids:
-            out["prompt_token_ids"] = list(prompt_ids)
-        return out
+    def body(self, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int) -> dict:
+        out = []
+        for c in choices:
+            if self.chat:
+                message = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    message["tool_calls"] = list(c.tool_calls)
+                choice = {"index": c.index, "message": message}
+            else:
+                choice = {"index": c.index, "text": c.text}
+            choice |= {"logprobs": self._logprobs(c.logprobs, 0) if self.logprobs else None,
+                       "finish_reason": c.finish_reason}
+            if self.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+                if not self.chat:
+                    choice["prompt_token_ids"] = list(c.prompt_ids)
+            out.append(choice)
+        body = self._head(chunk=False) | {"choices": out, "usage": usage(prompt_tokens, completion_tokens)}
+        if self.return_token_ids and self.chat:
+            body["prompt_token_ids"] = list(choices[0].prompt_ids)
+        return body
 
-    def chunk(self, text: str, token_ids: tuple[int, ...], finish_reason: str | None,
-              include_usage: bool = False) -> dict:
+    def chunk(self, index: int, text: str, token_ids: tuple[int, ...], logprobs: tuple[TextLogprob, ...] | None,
+              finish_reason: str | None, text_offset: int, include_usage: bool = False,
+              tool_calls: Sequence[dict] = ()) -> dict:
+        """Choice `index`'s next piece; `text_offset`: the choice's token texts so far (completions logprobs);
+        `tool_calls`: chat `delta.tool_calls` entries (server/tools.py `CallDelta.openai`)."""
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            delta = {"content": text} if text else {}
+            if tool_calls:
+                delta["tool_calls"] = list(tool_calls)
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text}
+        choice |= {"logprobs": self._logprobs(logprobs, text_offset) if self.logprobs and logprobs else None,
+                   "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
         out = self._head(chunk=True) | {"choices": [choice]}
@@ -55,9 +95,9 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def role_chunk(self, include_usage: bool = False) -> dict:
-        """The first chat chunk: the assistant role, no content yet."""
-        out = self._head(chunk=True) | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role_chunk(self, index: int, include_usage: bool = False) -> dict:
+        """A chat choice's first chunk: the assistant role, no content yet."""
+        out = self._head(chunk=True) | {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]}
         if include_usage:
             out["usage"] = None
@@ -70,3 +110,30 @@ class Formatter:
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def _logprobs(self, entries: Sequence[TextLogprob], text_offset: int) -> dict:
+        if self.chat:
+            return {"content": [_chat_entry(e.token, e.logprob)
+                                | {"top_logprobs": [_chat_entry(t, lp) for t, lp in e.top]} for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(text_offset)
+            text_offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": [_top_dict(e) for e in entries], "text_offset": offsets}
+
+
+def _chat_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+
+def _top_dict(entry: TextLogprob) -> dict[str, float]:
+    """{text: logprob} of the top tokens and the chosen one; of tokens with the same text, the likelier."""
+    top: dict[str, float] = {}
+    for token, logprob in (*entry.top, (entry.token, entry.logprob)):
+        top.setdefault(token, _finite(logprob))
+    return top
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)

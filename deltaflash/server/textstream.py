@@ -1,11 +1,19 @@
-"""Incremental detokenization of one request's output, cut at the first stop string.
+"""Incremental detokenization of one request's output, cut at the first stop string; and the text of
+single tokens, which logprobs name tokens by.
 
 Text advances over a window of token ids [prefix, ...): the window's first tokens give the decoder
 its left context (leading spaces), and the read offset only moves when the newest text ends on a
-complete character, so the concatenated deltas equal `tokenizer.decode(all ids)`.
+complete character, so the concatenated deltas equal `decode(all ids)` (deltaflash.tokenizer's rule,
+special tokens dropped unless the request keeps them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deltaflash.core.request import TokenLogprob
+from deltaflash.tokenizer import DecodeOptions, decode
 
 _INCOMPLETE = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut by a token boundary
 
@@ -15,8 +23,8 @@ class TextStream:
     send: complete characters, minus a tail that could still grow into a stop string. After a stop
     string `stopped` is True and the text ends just before it."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
-        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), options: DecodeOptions = DecodeOptions()):
+        self.tokenizer, self.stop_strings, self.options = tokenizer, stop_strings, options
         self.longest_stop = max((len(s) for s in stop_strings), default=0)
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context tokens already turned into text
@@ -70,4 +78,36 @@ class TextStream:
         return 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        return decode(self.tokenizer, ids, self.options)
+
+
+@dataclass(frozen=True)
+class TextLogprob:
+    """A generated token's log probability, named by its text (`TokenTexts`), and its row's `top`
+    (text, logprob) pairs, most likely first."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+class TokenTexts:
+    """Each token id's text on its own: decoded alone, special tokens kept (so they stay visible and
+    distinct), memoized (at most one entry per vocabulary token). A token that is part of a UTF-8
+    character shows as U+FFFD."""
+
+    _OPTIONS = DecodeOptions(skip_special_tokens=False)
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = decode(self.tokenizer, [token_id], self._OPTIONS)
+        return text
+
+    def logprobs(self, entries: Sequence[TokenLogprob]) -> tuple[TextLogprob, ...]:
+        return tuple(TextLogprob(self.text(e.token_id), e.logprob, tuple((self.text(t), lp) for t, lp in e.top))
+                     for e in entries)

@@ -2,26 +2,30 @@
 
 HTTP handlers talk to it through `submit` and `cancel` (a thread-safe inbox) and hear back through
 each job's `sink`. Between two engine steps (a round boundary) it takes new jobs, aborts cancelled
-and timed-out ones, and turns step events into text (`TextStream`, stop strings).
+and timed-out ones, and turns step events into text (`TextStream`, stop strings). It also times each
+request for the metrics: queue time, time to first token, time per output token, end to end.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from deltaflash.core.request import SamplingParams, StepEvent
+from deltaflash.core.request import SamplingParams, StepEvent, StepReport
 from deltaflash.errors import RequestError
-from deltaflash.server.errors import QueueFull, ServerUnavailable
+from deltaflash.server.errors import ApiError, BadRequest, QueueFull, ServerFailure, ServerUnavailable
 from deltaflash.server.metrics import Metrics
-from deltaflash.server.textstream import TextStream
+from deltaflash.server.textstream import TextLogprob, TextStream, TokenTexts
+from deltaflash.tokenizer import DecodeOptions
 
 log = logging.getLogger("deltaflash.server")
 
@@ -36,25 +40,32 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class Output:
     """What one request got since its previous Output. The last one has `finish_reason`
-    (stop | length | cancelled) or `error` (the server failed; HTTP 500)."""
+    (stop | length | cancelled: the client went away or --request-timeout) or `error`: the server failed
+    (ServerFailure, 500) or shut down before the request finished (ServerUnavailable, 503). `logprobs`:
+    one per token of `token_ids` when the request asked for them (None otherwise, and on outputs that
+    carry no tokens)."""
 
     text: str
     token_ids: tuple[int, ...]
     prompt_tokens: int
     completion_tokens: int          # so far, including these
     finish_reason: str | None = None
-    error: str | None = None
+    error: ApiError | None = None
+    logprobs: tuple[TextLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Job:
-    """A validated request. `sink` runs on the engine worker thread and must not block."""
+    """A validated request. `sink` runs on the engine worker thread and must not block. `submitted`:
+    time.monotonic() when the handler made it."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     stop_strings: tuple[str, ...]
     sink: Callable[[Output], None]
+    decode: DecodeOptions = DecodeOptions()
+    submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -75,11 +86,12 @@ class _Live:
     job: Job
     text: TextStream
     deadline: float                  # time.monotonic(); inf: none
-    submitted: float
+    stop_ids: frozenset[int]         # tokens that end the request and are not text
     completion_tokens: int = 0
     answered: bool = False           # final Output sent (a stop string ended it); awaiting retirement
     abort_reason: str | None = None  # cancelled | timeout | shutdown, once aborted
-    first_token: bool = False
+    first_token_at: float | None = None  # time.monotonic() of the first and the latest generated tokens
+    last_token_at: float | None = None
 
 
 class EngineWorker:
@@ -92,6 +104,8 @@ class EngineWorker:
         self._outstanding = 0           # submitted and not yet retired by the engine
         self._draining, self._drain_deadline, self._closing = False, math.inf, False
         self._live: dict[str, _Live] = {}
+        self._token_texts = TokenTexts(engine.tokenizer)
+        self._unadmitted: deque[str] = deque()  # in the engine, waiting for a slot; oldest first
         self._thread = threading.Thread(target=self._run, name="deltaflash-engine", daemon=True)
         self.load = Load(0, 0, self.max_slots)
 
@@ -99,25 +113,37 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    @property
+    def capacity(self) -> int:
+        """Engine requests the worker holds at most: running in a slot or queued for one."""
+        return self.max_slots + self.config.max_queue
+
+    def submit(self, *jobs: Job) -> None:
+        """Admit the jobs of one API request together: all of them, or none (QueueFull)."""
         with self._lock:
             if self._draining or not self.load.alive:
                 raise ServerUnavailable("the server is shutting down" if self._draining else "the engine worker failed")
-            capacity = self.max_slots + self.config.max_queue
-            if self._outstanding >= capacity:
+            free = self.capacity - self._outstanding
+            if free < 1:
                 raise QueueFull(f"all {self.max_slots} slots are busy and the queue holds its maximum "
                                 f"{self.config.max_queue} requests (--max-queue); retry later")
-            self._outstanding += 1
-            self._inbox.put(job)  # under the lock: a failing worker answers every job it let in
+            if len(jobs) > free:
+                raise QueueFull(f"{len(jobs)} choices need {len(jobs)} places; {free} of the {self.capacity} "
+                                "(slots + --max-queue) are free; retry later")
+            self._outstanding += len(jobs)
+            for job in jobs:
+                self._inbox.put(job)  # under the lock: a failing worker answers every job it let in
         self._wake.set()
 
-    def cancel(self, request_id: str) -> None:
-        """Retire a request at the next round boundary (no-op once it has finished)."""
-        self._inbox.put(request_id)
+    def cancel(self, *request_ids: str) -> None:
+        """Retire requests at the next round boundary (no-op for those that have finished)."""
+        for request_id in request_ids:
+            self._inbox.put(request_id)
         self._wake.set()
 
     def drain(self, deadline_s: float) -> None:
-        """Stop admitting; requests still running `deadline_s` from now are cancelled."""
+        """Stop admitting; requests still running `deadline_s` from now are aborted and answered with a
+        503 (code "server_shutdown")."""
         with self._lock:
             self._draining = True
             self._drain_deadline = min(self._drain_deadline, time.monotonic() + deadline_s)
@@ -153,7 +179,7 @@ class EngineWorker:
                 self._wake.wait(self.config.idle_wait_s)
                 self._wake.clear()
                 continue
-            for event in self._engine.step(on_report=self._metrics.observe_step):
+            for event in self._engine.step(on_report=functools.partial(self._observe, time.monotonic())):
                 self._route(event)
             self._publish()
 
@@ -177,13 +203,23 @@ class EngineWorker:
             self._engine.add_request(list(job.prompt_ids), job.params, job.request_id)
         except RequestError as exc:  # the frontend checks first; this is a safety net
             self._release("error")
-            self._deliver(job, Output("", (), len(job.prompt_ids), 0, error=str(exc)))
+            self._deliver(job, Output("", (), len(job.prompt_ids), 0, error=BadRequest(str(exc))))
             return
-        now = time.monotonic()
         timeout = self.config.request_timeout_s
-        self._live[job.request_id] = _Live(job, TextStream(self._engine.tokenizer, job.stop_strings),
-                                           now + timeout if timeout > 0 else math.inf, now)
+        self._live[job.request_id] = _Live(job, TextStream(self._engine.tokenizer, job.stop_strings, job.decode),
+                                           time.monotonic() + timeout if timeout > 0 else math.inf,
+                                           self._engine.stop_ids(job.params))
+        self._unadmitted.append(job.request_id)
         self._metrics.prompt_tokens.inc(len(job.prompt_ids))
+
+    def _observe(self, step_started: float, report: StepReport) -> None:
+        """Step metrics, and the queue time of the requests this step admitted: the engine admits first
+        come, first served, so they are the oldest `report.admitted` ones not aborted before the step."""
+        self._metrics.observe_step(report)
+        waiting = [rid for rid in self._unadmitted if rid in self._live and self._live[rid].abort_reason is None]
+        for rid in waiting[:report.admitted]:
+            self._metrics.queue_time.observe(step_started - self._live[rid].job.submitted)
+        self._unadmitted = deque(waiting[report.admitted:])
 
     def _abort(self, request_id: str, reason: str) -> None:
         live = self._live.get(request_id)
@@ -207,23 +243,36 @@ class EngineWorker:
             if event.finish_reason:
                 self._retire(live, "stop")
             return
+        if event.finish_reason == "cancelled" and live.abort_reason == "shutdown":
+            error = ServerUnavailable("the server shut down before this request finished", code="server_shutdown")
+            self._deliver(live.job, Output("", (), len(live.job.prompt_ids), live.completion_tokens, error=error))
+            self._retire(live, "shutdown")
+            return
         tokens, reason = event.token_ids, event.finish_reason
-        n_text = len(tokens) - 1 if reason == "stop" else len(tokens)  # a stop token is not text
+        # a stop token is not text; a grammar's last token, also "stop", is
+        n_text = len(tokens) - 1 if reason == "stop" and tokens[-1] in live.stop_ids else len(tokens)
         kept = tokens
         for i, tok in enumerate(tokens[:n_text]):
             live.text.push(tok)
             if live.text.stopped:
                 kept, reason = tokens[:i + 1], "stop"
                 break
-        if kept and not live.first_token:
-            live.first_token = True
-            self._metrics.ttft.observe(time.monotonic() - live.submitted)
+        now = time.monotonic()
+        if kept:
+            if live.first_token_at is None:
+                live.first_token_at = now
+                self._metrics.ttft.observe(now - live.job.submitted)
+            live.last_token_at = now
         live.completion_tokens += len(kept)
         self._metrics.generated_tokens.inc(len(kept))
         if reason is not None:
             live.text.finish()
+        logprobs = None if event.logprobs is None else self._token_texts.logprobs(event.logprobs[:len(kept)])
         self._deliver(live.job, Output(live.text.take(final=reason is not None), kept, len(live.job.prompt_ids),
-                                       live.completion_tokens, reason))
+                                       live.completion_tokens, reason, logprobs=logprobs))
+        if reason in ("stop", "length"):
+            self._metrics.observe_finished(now - live.job.submitted, live.completion_tokens, live.first_token_at,
+                                           live.last_token_at)
         if event.finish_reason:
             self._retire(live, live.abort_reason or reason)
         elif reason is not None:  # a stop string: answered now, slot freed at the next step
@@ -252,15 +301,17 @@ class EngineWorker:
             draining = self._draining
         self.load = Load(live, queued, self.max_slots, draining)
         self._metrics.active_slots.set(live)
+        self._metrics.slot_usage.set(live / self.max_slots)
         self._metrics.queue_depth.set(queued)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             self.load = Load(0, 0, self.max_slots, self._draining, alive=False)
         for live in list(self._live.values()):
-            self._deliver(live.job, Output("", (), len(live.job.prompt_ids), live.completion_tokens, error=message))
+            self._deliver(live.job, Output("", (), len(live.job.prompt_ids), live.completion_tokens,
+                                           error=ServerFailure(message)))
             self._retire(live, "error")
         for item in self._inbox_items():
             if isinstance(item, Job):
-                self._deliver(item, Output("", (), len(item.prompt_ids), 0, error=message))
+                self._deliver(item, Output("", (), len(item.prompt_ids), 0, error=ServerFailure(message)))
                 self._release("error")

@@ -7,6 +7,8 @@ Lane l verified rows [anchor, d_1 .. d_{W-1}] and may accept up to n_draft[l] of
   one-hot for deterministic drafts); at the first rejection draw from norm(max(p - q, 0)), after the
   last allowed draft draw from p. Distributed exactly as target-only sampling with the same settings.
 Plain decoding is the same rule with n_draft = 0: the next token is drawn from row 0.
+Every row is first turned into the logits its request samples from (LogitRules: penalties, bias,
+min_tokens, grammar), for that row's own history, so the rules hold with and without speculation.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from deltaflash.speculative.logit_rules import LogitRules
 from deltaflash.speculative.sampling import (
     STREAM_ACCEPT, STREAM_TOKEN, LaneSampling, lane_probs, sample_from, uniform_noise,
 )
@@ -24,16 +27,25 @@ from deltaflash.speculative.sampling import (
 @dataclass(frozen=True)
 class Accepted:
     """counts [L] long: drafts accepted per lane; tokens [L, W] long: the tokens each lane emits are
-    tokens[l, :counts[l] + 1] (its accepted drafts, then the next token)."""
+    tokens[l, :counts[l] + 1] (its accepted drafts, then the next token). With logprobs asked for:
+    logprobs [L, W] fp32, the log probability of tokens[l, n] under the model's row n (raw logits,
+    before any rule or temperature); top_ids / top_logprobs [L, W, k] the row's k most likely tokens."""
 
     counts: Tensor
     tokens: Tensor
+    logprobs: Tensor | None = None
+    top_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None
 
 
 def accept(logits: Tensor, drafts: Tensor, draft_q: Tensor | None, n_draft: Tensor,
-           sampling: LaneSampling) -> Accepted:
-    """logits [L, W, V] fp32 target rows; drafts [L, W-1] long; draft_q [L, W-1, V] fp32, the q each
-    draft was drawn from (None: deterministic drafts); n_draft [L] long in 0..W-1. No host sync."""
+           sampling: LaneSampling, rules: LogitRules | None = None, top_logprobs: int | None = None) -> Accepted:
+    """logits [L, W, V] fp32 raw target rows; drafts [L, W-1] long; draft_q [L, W-1, V] fp32, the q each
+    draft was drawn from (None: deterministic drafts); n_draft [L] long in 0..W-1; rules: the lanes'
+    LogitRules (None: none); top_logprobs: None, or k >= 0 to report logprobs. No host sync."""
+    raw = logits
+    if rules is not None:
+        logits = rules.apply(logits, drafts)
     L, W, _ = logits.shape
     argmax = logits.argmax(dim=-1)  # [L, W]
     allowed = torch.arange(W - 1, device=logits.device)[None] < n_draft[:, None]  # [L, W-1]
@@ -44,7 +56,12 @@ def accept(logits: Tensor, drafts: Tensor, draft_q: Tensor | None, n_draft: Tens
         counts = torch.where(sampling.greedy, counts, sampled_counts)
         next_token = torch.where(sampling.greedy, next_token, sampled_next)
     tokens = torch.cat([drafts, drafts.new_zeros(L, 1)], dim=1).scatter_(1, counts[:, None], next_token[:, None])
-    return Accepted(counts=counts, tokens=tokens)
+    if top_logprobs is None:
+        return Accepted(counts=counts, tokens=tokens)
+    log_p = raw.float().log_softmax(dim=-1)
+    top = log_p.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
+    return Accepted(counts=counts, tokens=tokens, logprobs=log_p.gather(-1, tokens[..., None])[..., 0],
+                    top_ids=None if top is None else top.indices, top_logprobs=None if top is None else top.values)
 
 
 def _rejection_sample(logits, drafts, draft_q, allowed, sampling: LaneSampling) -> tuple[Tensor, Tensor]:

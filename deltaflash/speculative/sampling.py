@@ -84,8 +84,9 @@ class LaneSampling:
     """Sampling settings of L lanes (one request each) on the device.
 
     temperature [L] fp32 (1 on greedy lanes, whose probabilities are never used); top_p [L] fp32;
-    top_k [L] long (0 = off); greedy [L] bool; keys [L, 3, 2] long: this step's noise keys per stream.
-    all_greedy / filtered (some lane uses top_p < 1 or top_k > 0) are host flags that skip work; when
+    top_k [L] long (0 = off); greedy [L] bool; keys [L, 3, 2] long: this step's noise keys per stream;
+    min_p [L] fp32 or None (no lane uses it).
+    all_greedy / filtered (some lane uses top_p < 1, top_k > 0 or min_p) are host flags that skip work; when
     every lane is greedy the tensors are None (nothing reaches the device). Padding lanes are greedy.
     """
 
@@ -96,6 +97,7 @@ class LaneSampling:
     keys: Tensor | None
     all_greedy: bool
     filtered: bool
+    min_p: Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], draws: Sequence[int], device,
@@ -110,12 +112,14 @@ class LaneSampling:
         temperature = [1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad
         top_p = [p.top_p for p in params] + [1.0] * pad
         top_k = [p.top_k for p in params] + [0] * pad
-        floats = to_device([temperature, top_p], device, torch.float32)  # two transfers, not five
+        min_p = [p.min_p for p in params] + [0.0] * pad
+        floats = to_device([temperature, top_p, min_p], device, torch.float32)  # two transfers, not six
         ints = to_device([[k, g, *(x for pair in lane for x in pair)] for k, g, lane in zip(top_k, greedy, keys)],
                          device)  # per lane [top_k, greedy, keys (3 x 2)]
         return cls(temperature=floats[0], top_p=floats[1], top_k=ints[:, 0], greedy=ints[:, 1].bool(),
                    keys=ints[:, 2:].view(-1, _STREAMS, 2), all_greedy=False,
-                   filtered=any(p.top_p < 1 or p.top_k > 0 for p in sampled))
+                   filtered=any(p.top_p < 1 or p.top_k > 0 or p.min_p > 0 for p in sampled),
+                   min_p=floats[2] if any(p.min_p > 0 for p in sampled) else None)
 
     @classmethod
     def greedy_lanes(cls, lanes: int, device) -> "LaneSampling":
@@ -128,7 +132,8 @@ class LaneSampling:
 
 def lane_probs(logits: Tensor, sampling: LaneSampling) -> Tensor:
     """q [L, ..., V] fp32 from logits [L, ..., V]: per lane softmax(logits / T) over its top_k, then its
-    top_p nucleus (tokens whose preceding mass in the top-k distribution is < top_p), renormalised."""
+    top_p nucleus (tokens whose preceding mass in the top-k distribution is < top_p), then its min_p
+    filter (tokens below min_p times the most likely one go), renormalised."""
     L, V = logits.shape[0], logits.shape[-1]
     per_lane = (L,) + (1,) * (logits.dim() - 1)
     scores = logits.float() / sampling.temperature.view(per_lane)
@@ -141,6 +146,8 @@ def lane_probs(logits: Tensor, sampling: LaneSampling) -> Tensor:
     probs = ordered.softmax(dim=-1)
     nucleus = (probs.cumsum(dim=-1) - probs) < sampling.top_p.view(per_lane)
     probs = probs * nucleus
+    if sampling.min_p is not None:  # sorted descending: the row's largest probability is column 0
+        probs = probs * (probs >= sampling.min_p.view(per_lane) * probs[..., :1])
     probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 

@@ -5,7 +5,7 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo. LIMIT_<STEP>=seconds
+# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `first` starts `deltaflash serve` (bundled pair) and times its start-up and first ten requests.
@@ -52,6 +52,15 @@ for step in "$@"; do
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2edemo) run e2edemo 300 python3 -m deltaflash bench e2e --workload demo --prompts 16 --reference --out "$OUT/demo" \
                      --quiet ;;
+        attention) run attention 200 python3 -m deltaflash bench attention --json "$OUT/attention.json" ;;
+        paged) for len in 1024 32768 262144; do  # a 256-token context costs the same whatever max_model_len is
+                   run paged 200 python3 -m deltaflash bench round --lanes 1 16 --routes fused --rounds 6 \
+                       --max-model-len $len --json "$OUT/round-$len.json"
+               done ;;
+        longctx) for ctx in 4096 32768 131072; do  # real long contexts at 16 lanes
+                     run longctx 300 python3 -m deltaflash bench round --lanes 16 --routes fused --rounds 4 \
+                         --prompt-len $ctx --max-model-len $(( ctx + 256 )) --json "$OUT/long-$ctx.json"
+                 done ;;
         *) echo "unknown step $step" | tee -a "$LOG" ;;
     esac
 done

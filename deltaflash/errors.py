@@ -33,6 +33,10 @@ class SlotsExhaustedError(DeltaflashError):
     """Every slot of the pool holds a live sequence."""
 
 
+class PagesExhaustedError(DeltaflashError):
+    """The page pool has too few free pages for what was asked (the scheduler preempts before it asks)."""
+
+
 class CommitRejectedError(DeltaflashError):
     """A commit transaction failed validation; nothing was changed."""
 

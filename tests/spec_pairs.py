@@ -57,6 +57,12 @@ def engine_for(target_dir, draft_dir=None, draft_source=None, **config):
     return Engine(model, None, drafter, EngineConfig(**config), draft_source=draft_source)
 
 
+def give_pages(engine, slot: int, tokens: int) -> None:
+    """Map pages for positions 0..tokens-1 of `slot`, as the scheduler does for a sequence it admits
+    (for tests that drive the model on the engine's pool directly)."""
+    engine.pool.tables.map(engine.scheduler.pages.grow(slot, tokens))
+
+
 def prompts(vocab: int, lengths, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

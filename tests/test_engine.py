@@ -48,7 +48,7 @@ def sequence(rid: str, prompt_len: int, max_new: int = 10) -> Sequence:
 
 def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
     config = EngineConfig(max_slots=2, prefill_chunk=10, block_size=4).resolve(torch.device("cpu"), 4)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(config, num_pages=1000)
     for rid, n in (("a", 7), ("b", 25), ("c", 3)):
         scheduler.add(sequence(rid, n))
     plan = scheduler.schedule()
@@ -64,7 +64,7 @@ def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
 
 def test_scheduler_widths_follow_the_tokens_left():
     config = EngineConfig(max_slots=3, block_size=6).resolve(torch.device("cpu"), 6)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(config, num_pages=1000)
     seqs = [sequence("a", 3, max_new=20), sequence("b", 3, max_new=4), sequence("c", 3, max_new=2)]
     for seq in seqs:
         scheduler.add(seq)
@@ -73,7 +73,7 @@ def test_scheduler_widths_follow_the_tokens_left():
         seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
     plan = scheduler.schedule()
     assert plan.widths == (6, 3, 1) and plan.round_width == 6  # b has 3 tokens left, c one: plain decoding
-    plain = Scheduler(EngineConfig(max_slots=1).resolve(torch.device("cpu"), None))
+    plain = Scheduler(EngineConfig(max_slots=1).resolve(torch.device("cpu"), None), num_pages=1000)
     assert plain.config.block_size == 1 and plain.width(seqs[0]) == 1
 
 

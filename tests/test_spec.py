@@ -14,7 +14,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.errors import CommitRejectedError
 from deltaflash.ops.kernels import reference_kernels, triton_kernels
 from deltaflash.speculative.sources import ScriptedSource
-from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
+from tests.spec_pairs import DEVICE, engine_for, give_pages, make_pair, prompts
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
@@ -148,14 +148,16 @@ def _verify_chain(engine, slot, tokens, start):
 
 def _state(pool, slot):
     n = pool.lengths[slot]
-    return (pool.recurrent_state[slot].clone(), pool.conv_history[slot].clone(),
-            pool.key_cache[slot, :, :n].clone(), pool.value_cache[slot, :, :n].clone(), n)
+    keys, values = pool.kv_of(slot, n)
+    return pool.recurrent_state[slot].clone(), pool.conv_history[slot].clone(), keys, values, n
 
 
 def test_commit_of_every_prefix_equals_sequential_decode(pairs):
     target_dir, _ = pairs["dflash"]
     engine, W = engine_for(target_dir, max_slots=2), 6
     prompt, tokens = prompts(96, [9, W], seed=21)
+    for slot in (0, 1):
+        give_pages(engine, slot, len(prompt) + W)
     for accepted in range(W + 1):
         for slot in (0, 1):
             engine.pool.reset(slot)
@@ -192,6 +194,7 @@ def test_rejected_commit_changes_nothing(pairs, bad):
     engine, W = engine_for(target_dir, max_slots=3), 4
     prompt, tokens = prompts(96, [7, W], seed=5)
     for slot in (0, 1):
+        give_pages(engine, slot, len(prompt) + W)
         engine.pool.reset(slot)
         engine.model.extend(ExtendBatch.build([(slot, 0, prompt)], DEVICE), engine.pool, kernels())
     out = _verify_chain(engine, 0, tokens, len(prompt))
@@ -224,6 +227,7 @@ def test_tree_verify_nodes_equal_their_root_paths(pairs):
     parents = [-1, 0, 0, 1, 2, 4]  # node 5's path: 0 -> 2 -> 4 -> 5
     depth = [0, 1, 1, 2, 2, 3]
     for slot in (0, 1):
+        give_pages(engine, slot, len(prompt) + len(tree_tokens))
         engine.pool.reset(slot)
         engine.model.extend(ExtendBatch.build([(slot, 0, prompt)], DEVICE), engine.pool, kernels())
     start = len(prompt)

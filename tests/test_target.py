@@ -99,8 +99,11 @@ def test_padding_lane_touches_nothing(dense_folder):
     batch = ExtendBatch.build([(slot, 3, [4])], "cpu", pad_lanes_to=3)
     model.extend(batch, pool, reference_kernels())
     after = (pool.conv_history, pool.recurrent_state, pool.key_cache, pool.value_cache)
-    for b, a in zip(before, after):  # only the live slot changed (K/V of padding rows went to the sink)
+    others = slice(pool.tables.max_pages, pool.tables.num_pages)  # static tables: the pages of slots 1, 2
+    for b, a in zip(before[:2], after[:2]):  # only the live slot changed
         assert torch.equal(b[1:pool.num_slots], a[1:pool.num_slots])
+    for b, a in zip(before[2:], after[2:]):  # K/V of padding rows went to the sink page, not to other slots
+        assert torch.equal(b[:, others], a[:, others])
     assert pool.lengths[1:] == lengths[1:]
 
 

@@ -188,9 +188,11 @@ def _start_server(args):
     """`deltaflash serve` on 127.0.0.1, any free port; returns (url, process, log file)."""
     cmd = [sys.executable, "-m", "deltaflash", "serve", "--host", "127.0.0.1", "--port", "0",
            "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.clients),
-           "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size)]
+           "--block-size", str(args.block_size), "--page-size", str(args.page_size),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--device", args.device),
-                        ("--dtype", args.dtype), ("--api-key", args.api_key)):
+                        ("--dtype", args.dtype), ("--api-key", args.api_key), ("--max-model-len", args.max_model_len),
+                        ("--kv-cache-memory", args.kv_cache_memory)):
         if value is not None:
             cmd += [flag, str(value)]
     log = tempfile.NamedTemporaryFile("w+", prefix="deltaflash-bench-serve-", suffix=".log", delete=False)

@@ -90,5 +90,8 @@ def _compact_tree_rows(pool: SlotPool, plan: CommitPlan) -> None:
         return
     device = pool.key_cache.device
     slot, src, dst = (to_device(column, device) for column in zip(*moves))
+    src_rows = pool.tables.rows(slot, src[:, None])[:, 0]
+    dst_rows = pool.tables.rows(slot, dst[:, None])[:, 0]
     for cache in (pool.key_cache, pool.value_cache):
-        cache[slot, :, dst] = cache[slot, :, src].clone()
+        rows = cache.flatten(1, 2)  # [A, (P+1) * page_size, nkv, hd], a view
+        rows[:, dst_rows] = rows[:, src_rows].clone()

@@ -1,93 +1,94 @@
-"""Per-slot draft context K/V: every committed token's context row, projected once, for every drafter layer.
+"""The drafter's context K/V in pages: every committed token's context row, projected once, per drafter layer.
 
-Layout: key / value [num_slots + 1, num_layers, capacity, nk, hd] in the drafter's dtype, and
-lengths [num_slots + 1] int64 (= next position = rows committed). The token at position p lives at
-row p, or at row p % capacity when every drafter layer is windowed (a ring of capacity = window:
-a block query at anchor_pos only needs context rows > anchor_pos - window). The extra last slot is
-the sink that padding rows (slot id -1) write to; its length stays 0, so padding lanes read nothing.
-Rows that are not valid read as zeros, so stale or uninitialised storage never reaches attention.
+Layout: key / value [num_layers, P + 1, page_size, nk, hd] in the drafter's dtype, addressed through the
+same block tables as the target's K/V (cache/pages.py: one page id covers a position in every page
+store). The token at position p lives at its page's row p % page_size. A lane drafting from anchor
+position a reads its context rows 0..a-1 (the sequence's committed positions, all of which were
+appended for the sequence now in the slot) and writes its block's own K/V at a..a+B-1 for the call:
+those rows lie past the committed length and are overwritten when the accepted rows are appended.
+Sliding-window layers read only the rows inside their window; nothing is kept as a ring.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class ContextView:
-    """The context rows a batch of L lanes attends to, C rows per lane.
-
-    keys, values: [L, num_layers, C, nk, hd] (zero where not valid)
-    positions: [L, C] int64, the token position of each row (meaningless where not valid)
-    valid: [L, C] bool, the row holds a committed token of the lane's slot
-    """
-
-    keys: Tensor
-    values: Tensor
-    positions: Tensor
-    valid: Tensor
+from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, page_store
 
 
 class DraftContextCache:
-    """Owner of the drafter's persistent context K/V; one slot per live sequence."""
+    """Owner of the drafter's persistent context K/V, in pages of `tables`."""
 
-    def __init__(
-        self, *, num_slots: int, max_model_len: int, num_layers: int, num_kv_heads: int, head_dim: int,
-        ring_window: int | None, dtype: torch.dtype, device: str | torch.device,
-    ) -> None:
-        """ring_window: the drafter's window when every layer is windowed (DraftConfig.ring_window), else None."""
-        self.num_slots = num_slots
-        self.ring = ring_window is not None
-        self.capacity = min(ring_window, max_model_len) if self.ring else max_model_len
-        shape = (num_slots + 1, num_layers, self.capacity, num_kv_heads, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    def __init__(self, tables: BlockTables, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device) -> None:
+        self.tables = tables
+        shape = (num_layers, tables.num_pages + 1, tables.page_size, num_kv_heads, head_dim)
+        self.key = page_store(shape, dtype, device)
+        self.value = page_store(shape, dtype, device)
+
+    @classmethod
+    def for_slots(cls, num_slots: int, max_model_len: int, *, page_size: int = DEFAULT_PAGE_SIZE,
+                  **layout) -> "DraftContextCache":
+        """A cache with static tables of its own (each slot owns pages for max_model_len positions)."""
+        device = layout["device"]
+        return cls(BlockTables(num_slots, max_model_len, page_size, device), **layout)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     def reset(self, slot: int) -> None:
-        """Forget slot's context (admission of a new sequence)."""
-        self.lengths[slot] = 0
+        """Admission: nothing to forget (a lane reads context only below its anchor position, and every
+        such row is appended for the sequence the slot now holds)."""
 
-    def _slot_index(self, slot_ids: Tensor) -> Tensor:
-        return torch.where(slot_ids < 0, self.num_slots, slot_ids)  # padding -> sink slot
+    def _write(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
+        """keys / values [N, layers, nk, hd] at storage rows [N]."""
+        self.key.flatten(1, 2)[:, rows] = keys.transpose(0, 1).to(self.key.dtype)
+        self.value.flatten(1, 2)[:, rows] = values.transpose(0, 1).to(self.value.dtype)
 
     @torch.no_grad()
     def append(self, slot_ids: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> None:
-        """Store committed rows: slot_ids [N] (-1 = padding: written to the sink), positions [N] int64
-        (< max_model_len), keys / values [N, layers, nk, hd] (the drafter's projection of the rows'
-        target features). A slot's rows must continue its context: positions length, length + 1, ...
+        """Store committed rows: slot_ids [N] (-1 = padding: written to the sink), positions [N] int64,
+        keys / values [N, layers, nk, hd] (the drafter's projection of the rows' target features).
         No host sync (CUDA-graph safe)."""
-        if slot_ids.numel() == 0:
-            return
-        slots = self._slot_index(slot_ids)
-        positions = torch.where(slot_ids < 0, 0, positions)
-        self.lengths.scatter_reduce_(0, slots, positions + 1, reduce="amax")
-        self.lengths[self.num_slots:].zero_()  # a kernel, not a host-to-device copy (CUDA-graph safe)
-        rows = positions
-        if self.ring:  # only the newest `capacity` rows of a slot survive this append
-            rows = positions % self.capacity
-            slots = torch.where(positions >= self.lengths[slots] - self.capacity, slots, self.num_slots)
-        self.key[slots, :, rows] = keys.to(self.key.dtype)
-        self.value[slots, :, rows] = values.to(self.value.dtype)
+        if slot_ids.numel():
+            self._write(self.tables.rows(slot_ids, positions[:, None])[:, 0], keys, values)
 
-    def view(self, slot_ids: Tensor, max_context_len: int | None = None) -> ContextView:
-        """Context of lanes slot_ids [L] (-1 = padding: nothing visible).
+    def write_block(self, layer: int, rows: Tensor, keys: Tensor, values: Tensor) -> None:
+        """A drafted block's own K/V [L, B, nk, hd] of one layer at storage rows [L, B] (for this call only)."""
+        self.key[layer].view(-1, *self.key.shape[3:])[rows.flatten()] = keys.flatten(0, 1).to(self.key.dtype)
+        self.value[layer].view(-1, *self.value.shape[3:])[rows.flatten()] = values.flatten(0, 1).to(self.value.dtype)
 
-        max_context_len: a host-known bound on every lane's context length, to read fewer rows
-        than the full capacity (no device sync needed to learn it).
-        """
-        slots = self._slot_index(slot_ids)
-        rows = self.capacity if max_context_len is None or self.ring else min(max_context_len, self.capacity)
-        lengths = self.lengths[slots][:, None]  # [L, 1]
-        index = torch.arange(rows, device=slots.device)[None, :]  # [1, C]
-        if self.ring:  # newest position p < length with p % capacity == index
-            positions = lengths - 1 - torch.remainder(lengths - 1 - index, self.capacity)
-            valid = positions >= 0
-        else:
-            positions = index.expand(slots.shape[0], -1)
-            valid = positions < lengths
-        shown = valid[:, None, :, None, None]
-        keys = torch.where(shown, self.key[slots, :, :rows], 0)
-        values = torch.where(shown, self.value[slots, :, :rows], 0)
-        return ContextView(keys=keys, values=values, positions=positions, valid=valid)
+
+@dataclass(frozen=True)
+class DraftContext:
+    """One block forward's view of the context: lanes slot_ids [L] (-1 padding) drafting blocks at
+    positions context_lens[l] + 0..B-1 (the anchor's position = the lane's committed length);
+    block_rows [L, B] storage rows of the block; attend: the paged attention op (ops/kernels.py);
+    max_pages: table entries the reference attention reads (None: all, a fixed shape)."""
+
+    cache: DraftContextCache
+    slot_ids: Tensor
+    context_lens: Tensor
+    block_rows: Tensor
+    attend: Callable
+    max_pages: int | None = None
+
+    @classmethod
+    def build(cls, cache: DraftContextCache, slot_ids: Tensor, anchor_positions: Tensor, block_size: int,
+              attend: Callable, max_context_len: int | None = None) -> "DraftContext":
+        positions = anchor_positions[:, None] + torch.arange(block_size, device=anchor_positions.device)
+        bound = None if max_context_len is None else max_context_len + block_size
+        return cls(cache, slot_ids, anchor_positions, cache.tables.rows(slot_ids, positions), attend,
+                   cache.tables.pages_to_read(bound))
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, causal: bool) -> Tensor:
+        """Block queries q [L, B, nh, hd] over the context and the block's own k / v [L, B, nk, hd]."""
+        self.cache.write_block(layer, self.block_rows, k, v)
+        return self.attend(q, self.cache.key[layer], self.cache.value[layer], self.cache.tables.tables, self.slot_ids,
+                           self.context_lens, None, scale=q.shape[-1] ** -0.5, mode="causal" if causal else "full",
+                           window=window, max_pages=self.max_pages)

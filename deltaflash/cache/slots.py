@@ -1,49 +1,65 @@
 """The slot pool: persistent per-sequence state of the target model.
 
-One slot owns one live sequence: GDN conv history and fp32 recurrent state for every GDN layer, and
-the attention K/V of every full-attention layer. The scheduler hands slots out (`SlotTable`, host
-only); the runner resets a slot's device state at admission (`SlotPool.reset`). No state is ever
-shared between slots.
+One slot owns one live sequence's fixed-size state: GDN conv history and fp32 recurrent state for every
+GDN layer. Its token-sized state, the attention K/V of every full-attention layer, lives in pages
+(cache/pages.py) that the slot's block table maps. The scheduler hands slots out (`SlotTable`) and pages
+(`PageAllocator`), both host only; the runner resets a slot's device state at admission
+(`SlotPool.reset`) and maps the pages the scheduler granted. No state is ever shared between slots.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, page_store
 from deltaflash.config import ModelConfig
 from deltaflash.errors import SlotsExhaustedError
 
 
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of target K/V one token position takes over all attention layers."""
+    return 2 * len(cfg.attn_layer_ids) * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
 class SlotPool:
-    """Tensors (S slots, G GDN layers, A attention layers, C conv channels, K conv taps):
-        conv_history    [S, G, C, K-1]            activation dtype
-        recurrent_state [S, G, nv, dk, dv]        fp32
-        key_cache       [S+1, A, max_len, nkv, hd]  activation dtype (zeros until written; +1: the sink)
-        value_cache     [S+1, A, max_len, nkv, hd]
-    `lengths[slot]` is the number of committed positions (host ints: read without a device sync).
+    """Tensors (S slots, G GDN layers, A attention layers, C conv channels, K conv taps, P pages):
+        conv_history    [S, G, C, K-1]                     activation dtype
+        recurrent_state [S, G, nv, dk, dv]                 fp32
+        key_cache       [A, P+1, page_size, nkv, hd]       activation dtype (+1: the sink page)
+        value_cache     [A, P+1, page_size, nkv, hd]
+    `tables` maps each slot's positions to pages (static tables when num_pages is None: every slot owns
+    pages for its whole capacity). `lengths[slot]` is the number of committed positions (host ints: read
+    without a device sync).
     """
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device,
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
         G, A = len(cfg.gdn_layer_ids), len(cfg.attn_layer_ids)
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_slots = num_slots
         self.conv_history = torch.zeros(num_slots, G, cfg.conv_channels, cfg.conv_kernel - 1, dtype=dtype, device=device)
         self.recurrent_state = torch.zeros(
             num_slots, G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
-        # one extra K/V slot, `kv_sink`, takes the writes of padding lanes and padding rows so that
-        # every write is unconditional (CUDA-graph friendly); nothing ever reads it as a sequence
-        self.kv_sink = num_slots
-        kv_shape = (num_slots + 1, A, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.key_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.value_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.tables = BlockTables(num_slots, max_len, page_size, device, num_pages)
+        self.max_len = self.tables.capacity
+        kv_shape = (A, self.tables.num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.key_cache = page_store(kv_shape, dtype, device)
+        self.value_cache = page_store(kv_shape, dtype, device)
         self.lengths = [0] * num_slots
 
-    def kv_write_slots(self, slot_ids, rows_valid):
-        """slot_ids [L] (-1 padding), rows_valid [L, T] bool -> [L, T] slot to write each row's K/V to
-        (the sink for padding lanes and padding rows)."""
-        keep = rows_valid & (slot_ids >= 0)[:, None]
-        return torch.where(keep, slot_ids[:, None], self.kv_sink)
+    def write_kv(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys / values [L, T, nkv, hd] of attention layer `layer` at storage rows [L, T]
+        (`tables.rows`; padding rows point at the sink)."""
+        flat = rows.flatten()
+        self.key_cache[layer].view(-1, *self.key_cache.shape[3:])[flat] = keys.flatten(0, 1).to(self.key_cache.dtype)
+        self.value_cache[layer].view(-1, *self.value_cache.shape[3:])[flat] = values.flatten(0, 1).to(self.value_cache.dtype)
+
+    def kv_of(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [A, length, nkv, hd] of a slot's positions 0..length-1, gathered from its pages."""
+        positions = torch.arange(length, device=self.key_cache.device)[None]
+        rows = self.tables.rows(torch.tensor([slot], device=positions.device), positions)[0]
+        return (self.key_cache.flatten(1, 2)[:, rows], self.value_cache.flatten(1, 2)[:, rows])
 
     def reset(self, slot: int) -> None:
         """Every part of a slot back to the empty sequence (admission). K/V past the length are never read."""

@@ -124,6 +124,7 @@ class Sequence:
     draws: int = 0           # sampling steps taken (the noise counter)
     matcher: object | None = None  # the grammar's state (speculative/grammar.py) when params.grammar is set
     logprobs: list = field(default_factory=list)  # per generated token (TokenLogprob), when params.logprobs is set
+    preemptions: int = 0     # times its slot and pages were taken back to make room (it was recomputed)
 
     @property
     def position(self) -> int:
@@ -135,8 +136,14 @@ class Sequence:
         return self.params.max_new_tokens - len(self.output_ids)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens whose state a prefill builds: the prompt, and for a sequence resumed after a
+        preemption also every generated token but the pending one (recomputed, not emitted again)."""
+        return self.prompt_ids + self.output_ids[:-1] if self.output_ids else self.prompt_ids
+
+    @property
     def prompt_left(self) -> int:
-        return len(self.prompt_ids) - self.num_prefilled
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0) - self.num_prefilled
 
 
 def resolve_seed(params: SamplingParams) -> int:
@@ -190,6 +197,10 @@ class StepReport:
     accepted_lengths: tuple[int, ...] = ()
     phases: RoundPhases = RoundPhases()
     widths: tuple[int, ...] = ()
+    preempted: int = 0
+    pages_used: int = 0
+    pages_total: int = 0
+    admitted_ids: tuple[str, ...] = ()  # request ids admitted this step (readmissions after a preemption too)
 
 
 @dataclass(frozen=True)

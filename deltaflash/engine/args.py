@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from deltaflash.bundled import BUNDLED
+from deltaflash.cache.pages import DEFAULT_PAGE_SIZE
 from deltaflash.errors import DeltaflashError
 
 
@@ -18,7 +19,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens of one request (default: the model's max_position_embeddings, "
+                        "lowered to what the K/V page pool holds)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="token positions per K/V page")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="memory of the K/V page pool, e.g. 2GiB, 512MiB or bytes (default: 2GiB on CPU; on CUDA "
+                        "what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine may use in all: weights, slot state, CUDA graphs, "
+                        "activations and the K/V pages that fill the rest (default 0.9)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5g', '1000000' -> bytes (argparse type: a bad value is a usage error)."""
+    number = text.strip().lower().rstrip("bitgmk ") or "x"
+    unit = text.strip().lower()[len(number):].strip()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 2GiB, 512MiB, 1000000)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least one byte")
+    return int(value)
+
+
+def check_engine_flags(args) -> None:
+    """The ranges of the engine flags (before anything loads)."""
+    for name, value, low in (("--max-model-len", args.max_model_len, 2), ("--block-size", args.block_size, 0),
+                             ("--page-size", args.page_size, 1)):
+        if value is not None and value < low:
+            raise DeltaflashError(f"{name} must be >= {low}, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise DeltaflashError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
 
 def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
@@ -28,6 +65,7 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
 
     from deltaflash.engine.engine import Engine
 
+    check_engine_flags(args)
     if args.model is None:
         args.model = str(BUNDLED / "target")
         if args.draft is None and (BUNDLED / "draft").is_dir():
@@ -48,4 +86,5 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
                                   max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
-                                  **config)
+                                  page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                                  gpu_memory_utilization=args.gpu_memory_utilization, **config)

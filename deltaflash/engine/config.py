@@ -30,8 +30,14 @@ class EngineConfig:
     """Options of one engine. `resolve` turns the automatic ones into decisions:
 
     max_slots: sequences served together (one slot of GDN state each).
-    max_model_len: prompt + generated tokens of one sequence.
+    max_model_len: prompt + generated tokens of one sequence; None = the model's max_position_embeddings
+        (lowered to what the page pool holds, with a warning; a value given that the pool cannot hold
+        for one sequence is an error).
     prefill_chunk: prompt tokens per step, over all prefilling sequences.
+    page_size: token positions per page of K/V (target attention and drafter context).
+    kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
+        of the device less what weights, slot state, CUDA graphs and activations take.
+    gpu_memory_utilization: fraction of the device's memory the engine may use in all (CUDA).
     block_size: W, rows a speculating lane verifies; 0 = the drafter's own; resolved to 1 without a drafter.
     kernels: "triton" (fused kernels) or "reference" (pure torch); "auto" = triton on CUDA unless
         DELTAFLASH_NO_FUSED_KERNELS=1, reference on CPU.
@@ -41,21 +47,30 @@ class EngineConfig:
     """
 
     max_slots: int = 8
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     prefill_chunk: int = 512
+    page_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     block_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool | None = None
     sync_phase_timing: bool = False
 
     def resolve(self, device: torch.device, drafter_block: int | None,
-                env: Mapping[str, str] | None = None) -> "EngineConfig":
+                env: Mapping[str, str] | None = None, model_max_len: int = 4096) -> "EngineConfig":
         """The decided config for an engine on `device` whose draft source drafts blocks of
-        `drafter_block` (None: no draft source). Raises DeltaflashError for impossible options."""
+        `drafter_block` (None: no draft source), for a model of `model_max_len` positions. Raises
+        DeltaflashError for impossible options. (max_model_len may still be lowered to the page pool's
+        capacity by the runner, `fit_to_pages`.)"""
         env = os.environ if env is None else env
-        for name, low in (("max_slots", 1), ("max_model_len", 2), ("prefill_chunk", 1), ("block_size", 0)):
-            if getattr(self, name) < low:
-                raise DeltaflashError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        for name, low in (("max_slots", 1), ("max_model_len", 2), ("prefill_chunk", 1), ("block_size", 0),
+                          ("page_size", 1), ("kv_cache_memory", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise DeltaflashError(f"{name} must be >= {low}, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise DeltaflashError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         cuda = torch.device(device).type == "cuda"
         kernels = self.kernels
         if kernels == "auto":
@@ -73,7 +88,22 @@ class EngineConfig:
             block = self.block_size or drafter_block
             if block < 2:
                 raise DeltaflashError(f"block size must be >= 2 to speculate, got {block}")
-        return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block)
+        return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block,
+                                   max_model_len=self.max_model_len or model_max_len)
+
+    def fit_to_pages(self, pool_tokens: int, given: bool) -> "EngineConfig":
+        """This config with max_model_len at most what one sequence can hold in a pool of `pool_tokens`
+        positions (a sequence's verify rows reach block_size - 1 past it). given: the user chose
+        max_model_len, so a pool too small for it is an error rather than a lower default."""
+        room = pool_tokens - self.block_size
+        if self.max_model_len <= room:
+            return self
+        if given or room < 2:
+            raise DeltaflashError(
+                f"max_model_len {self.max_model_len} does not fit the K/V page pool, which holds {pool_tokens} "
+                f"token positions ({room} for one sequence with its verify rows): raise --kv-cache-memory / "
+                "--gpu-memory-utilization or lower --max-model-len")
+        return dataclasses.replace(self, max_model_len=room)
 
     @property
     def speculative(self) -> bool:

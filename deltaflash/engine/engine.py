@@ -5,6 +5,7 @@ accepted run, finished sequences give their slot back.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
 from deltaflash.tokenizer import load_tokenizer
 
+log = logging.getLogger("deltaflash.engine")
+
 
 class Engine:
     def __init__(self, model, tokenizer=None, drafter=None, config: EngineConfig = EngineConfig(),
@@ -32,14 +35,20 @@ class Engine:
         self._grammar_compiler = None
         self.device = model.embed_tokens.weight.device
         block = drafter.config.block_size if drafter is not None else getattr(draft_source, "block_size", None)
-        self.config = config.resolve(self.device, block)
-        self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(model, self.config, drafter, draft_source)
+        resolved = config.resolve(self.device, block, model_max_len=self.cfg.max_position_embeddings)
+        self.runner = ModelRunner(model, resolved, drafter, draft_source,
+                                  max_model_len_given=config.max_model_len is not None)
+        self.config = self.runner.config  # max_model_len fitted to the page pool
+        if self.config.max_model_len < resolved.max_model_len:
+            log.warning("max_model_len lowered from %d (the model's) to %d: the K/V page pool holds no more",
+                        resolved.max_model_len, self.config.max_model_len)
+        log.info(self.runner.page_plan.describe(self.config.max_model_len, self.config.block_size))
+        self.scheduler = Scheduler(self.config, self.runner.page_plan.num_pages)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
         if self.device.type == "cuda":
             self._warm_requests()
-        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
+        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
 
     @classmethod
@@ -61,7 +70,7 @@ class Engine:
         """A greedy and a sampled request (top-k, top-p) through the whole step path - prefill, rounds at
         each width, acceptance, commit, draft context - so that every kernel a client's first request
         launches is already loaded. Their slots are reset at the next admission, like any retired slot."""
-        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0}
+        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         new = min(2 * self.config.block_size + 1, self.config.max_model_len - 1)
         params = [SamplingParams(max_new_tokens=new, ignore_eos=True),
                   SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)]
@@ -76,6 +85,11 @@ class Engine:
         """Sequences holding a slot."""
         return self.scheduler.slots.num_live
 
+    @property
+    def page_usage(self) -> tuple[int, int]:
+        """(pages held by sequences, pages in the pool)."""
+        return self.scheduler.pages.num_used, self.scheduler.pages.num_pages
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
@@ -85,6 +99,10 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        pool_tokens = self.runner.page_plan.tokens
+        if len(prompt_ids) + self.config.block_size > pool_tokens:
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) is longer than the whole K/V page pool "
+                               f"({pool_tokens} token positions; raise --kv-cache-memory / --gpu-memory-utilization)")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.config.max_model_len:
             raise RequestError(
@@ -126,14 +144,17 @@ class Engine:
         what it did, for metrics."""
         plan = self.scheduler.schedule()
         events = [StepEvent(seq.request_id, (), "cancelled") for seq in plan.cancelled]
+        self.stats["preemptions"] += len(plan.preempted)
         if not plan.runs_anything:
             return events
         result = self.runner.execute(plan)
         self._apply(plan, result, events)
         if on_report is not None:
             speculated = tuple(n + 1 for n, w in zip(result.round.accepted, plan.widths) if w > 1)
+            used, total = self.page_usage
             on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
-                                 len(plan.decode), result.decode_s, speculated, result.phases, plan.widths))
+                                 len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
+                                 len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted)))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
@@ -144,8 +165,9 @@ class Engine:
             self.stats["prefill_tokens"] += len(chunk.tokens)
             if chunk.last:
                 seq.status = Status.DECODING
-                seq.draws += 1
-                self._emit(seq, *next(completed), events)
+                if chunk.emits:  # a resumed sequence's pending token was emitted before its preemption
+                    seq.draws += 1
+                    self._emit(seq, *next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
         out = result.round

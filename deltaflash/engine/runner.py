@@ -16,11 +16,14 @@ import torch
 from torch import Tensor
 
 from deltaflash.cache.commit import commit
-from deltaflash.cache.slots import SlotPool
+from deltaflash.cache.draft_context import DraftContextCache
+from deltaflash.cache.pages import pages_for
+from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import CudaGraphs
+from deltaflash.engine.graphs import CudaGraphs, buckets_for
+from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
@@ -63,20 +66,27 @@ class _Round:
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig, drafter=None, draft_source: DraftSource | None = None):
-        self.model, self.config = model, config
-        self.cfg = model.cfg
+    def __init__(self, model, config: EngineConfig, drafter=None, draft_source: DraftSource | None = None,
+                 max_model_len_given: bool = True):
+        """Sizes the page pool by memory (engine/memory.py) and lowers config.max_model_len to what it
+        holds when the length was not given (`max_model_len_given`; given, a pool too small for it is an
+        error): `self.config` is the final config."""
+        self.model, self.cfg = model, model.cfg
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
         self.kernels = kernels_named(config.kernels)
+        self.page_plan = self._plan_pages(config, drafter)
+        self.config = config = config.fit_to_pages(self.page_plan.tokens, max_model_len_given)
         W = config.block_size
         # verify rows of a sequence at its last position reach up to W - 1 positions further
         capacity = config.max_model_len + W
-        self.pool = SlotPool(self.cfg, config.max_slots, capacity, self.dtype, self.device)
+        self.pool = SlotPool(self.cfg, config.max_slots, capacity, self.dtype, self.device, config.page_size,
+                             self.page_plan.num_pages)
         self.graphs = CudaGraphs(config.max_slots, self.device) if config.cuda_graphs else None
         factory = self.graphs.add if self.graphs is not None else None
         if drafter is not None:
-            draft_source = DFlashSource(drafter, param, model.lm_head_weight, config.max_slots, capacity, W, factory)
+            draft_source = DFlashSource(drafter, param, model.lm_head_weight, self.pool.tables, W, factory,
+                                        self.kernels.paged_attention)
         self.source = draft_source
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
         self.widths = (1, W) if W > 1 else (1,)
@@ -85,6 +95,67 @@ class ModelRunner:
             for w in self.widths:
                 inputs = ((w,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0)
                 self.verify_graphs[w] = self.graphs.add(f"verify W={w}", self._verify_rows, inputs)
+
+    # ---- the page pool ------------------------------------------------------------------------
+    def _plan_pages(self, config: EngineConfig, drafter) -> PagePlan:
+        page_size = config.page_size
+        per_token = kv_bytes_per_token(self.cfg, self.dtype)
+        if drafter is not None:
+            c = drafter.config
+            per_token += DraftContextCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, drafter.dtype)
+        most = config.max_slots * pages_for(config.max_model_len + config.block_size, page_size)
+        if config.kv_cache_memory is not None:
+            budget, source = config.kv_cache_memory, "--kv-cache-memory"
+        elif self.device.type != "cuda":
+            budget, source = CPU_KV_BYTES, "the CPU default"
+        else:
+            budget = cuda_budget(self.device, config.gpu_memory_utilization, self._slot_state_bytes(config),
+                                 self._probe_peak_bytes(config, drafter))
+            source = f"{config.gpu_memory_utilization:.0%} of the device less weights, slot state and activations"
+        return plan_pages(budget, per_token * page_size, page_size, most, source)
+
+    def _slot_state_bytes(self, config: EngineConfig) -> int:
+        cfg, G = self.cfg, len(self.cfg.gdn_layer_ids)
+        conv = cfg.conv_channels * (cfg.conv_kernel - 1) * torch.tensor([], dtype=self.dtype).element_size()
+        state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        return config.max_slots * G * (conv + state)
+
+    @torch.inference_mode()
+    def _probe_peak_bytes(self, config: EngineConfig, drafter) -> int:
+        """Peak activation bytes of an eager prefill chunk plus those of a round (draft, verify) at the
+        largest lane bucket, measured on a probe pool of static pages for a few positions per slot."""
+        W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
+        chunk = min(config.prefill_chunk, config.max_model_len)
+        probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
+        source = None
+        if drafter is not None:
+            source = DFlashSource(drafter, self.model.embed_tokens.weight, self.model.lm_head_weight, probe.tables, W,
+                                  attend=self.kernels.paged_attention)
+        taps = tuple(source.tap_layer_ids) if source is not None else ()
+        torch.cuda.synchronize(self.device)
+        peaks = []
+        for run in ("prefill", "round"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            if run == "prefill":
+                self.model.extend(ExtendBatch.build([(0, 0, [0] * chunk)], self.device), probe, self.kernels,
+                                  tap_layer_ids=taps)
+            else:
+                slot_ids = torch.arange(lanes, device=self.device)
+                slot_ids = torch.where(slot_ids < probe.num_slots, slot_ids, -1)
+                zeros = torch.zeros(lanes, dtype=torch.long, device=self.device)
+                if source is not None:
+                    source._block_logits(slot_ids, zeros, zeros)
+                batch = VerifyBatch(input_ids=torch.zeros(lanes, W, dtype=torch.long, device=self.device),
+                                    parents=(torch.arange(W, device=self.device) - 1).expand(lanes, W).contiguous(),
+                                    positions=torch.arange(W, device=self.device).expand(lanes, W), slot_ids=slot_ids,
+                                    start=zeros, slot_ids_host=(), start_host=(), chain_host=True)
+                self.model.verify(batch, probe, self.kernels, taps)
+            torch.cuda.synchronize(self.device)
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+        del probe, source
+        torch.cuda.empty_cache()
+        return sum(peaks)
 
     # ---- start-up -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -113,6 +184,7 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        self.pool.tables.map(plan.pages)
         for seq in plan.admitted:
             self.pool.reset(seq.slot)
             if self.source is not None:
@@ -140,7 +212,7 @@ class ModelRunner:
             rows = torch.arange(batch.input_ids.shape[1], device=self.device)
             kept = torch.where(rows[None] < batch.n_rows[:, None], batch.slot_ids[:, None], -1)
             self.source.append(kept, batch.positions, taps)
-        done = [i for i, c in enumerate(chunks) if c.last]
+        done = [i for i, c in enumerate(chunks) if c.emits]
         if not done:
             return None
         seqs = [chunks[i].seq for i in done]
@@ -214,7 +286,7 @@ class ModelRunner:
         batch = VerifyBatch(input_ids=input_ids, parents=(nodes - 1).expand(L, W).contiguous(),
                             positions=start[:, None] + nodes, slot_ids=slot_ids, start=start,
                             slot_ids_host=(), start_host=(), chain_host=True)
-        out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax or self.pool.max_len)
+        out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax)
         return out.logits, out.taps, out.conv_windows.movedim(1, 0), out.replay_log.movedim(1, 0)
 
     def _now(self) -> float:

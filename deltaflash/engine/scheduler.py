@@ -1,9 +1,12 @@
 """The scheduler decides; it never touches the device.
 
-Each step it retires cancelled requests, admits waiting ones into free slots (first come, first
-served), spends the prefill budget on prompt chunks (oldest prompt first), and gives every decoding
-sequence one lane of the round with a width: the rows it verifies, 1 + its drafts (1 = plain
-decoding). The runner executes the resulting `StepPlan`; the engine applies the results.
+Each step it retires cancelled requests; gives every decoding sequence one lane of the round with a
+width (the rows it verifies, 1 + its drafts; 1 = plain decoding) and the pages those rows need,
+preempting the most recently admitted sequences while pages run short; admits waiting sequences (first
+come, first served) into free slots when their prompt's pages are free; and spends the prefill budget
+on prompt chunks (oldest prompt first). A preempted sequence gives back its slot and pages and waits at
+the head of the queue; when readmitted, its prompt and generated tokens are prefilled again (nothing
+is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
@@ -18,12 +22,15 @@ from deltaflash.engine.config import EngineConfig
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Prompt tokens [start, start + len(tokens)) of `seq`; `last`: the chunk completes the prompt."""
+    """Prefill tokens [start, start + len(tokens)) of `seq` (its prompt, or after a preemption its prompt
+    and generated tokens); `last`: the chunk completes them; `emits`: the last chunk of a sequence that
+    has generated nothing yet (its first token is sampled from the chunk's last row)."""
 
     seq: Sequence
     start: int
     tokens: tuple[int, ...]
     last: bool
+    emits: bool = False
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,9 @@ class StepPlan:
     """What one step runs.
 
     admitted: sequences given a slot this step (the runner resets those slots first).
-    cancelled: sequences retired before the step (their slots are free again).
+    cancelled: sequences retired before the step (their slots and pages are free again).
+    preempted: sequences sent back to the queue this step to free pages (slot and pages given back).
+    pages: (slot, table index, page) entries granted this step (the runner maps them first).
     prefill: prompt chunks, in order. decode: the round's lanes; widths[i]: rows lane i verifies
     (1 + drafts it may accept); round_width: rows per lane of the verify forward (max of widths,
     rounded up to a width that has a CUDA graph: 1 or the block size W).
@@ -39,6 +48,8 @@ class StepPlan:
 
     admitted: tuple[Sequence, ...] = ()
     cancelled: tuple[Sequence, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
+    pages: tuple[tuple[int, int, int], ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Sequence, ...] = ()
     widths: tuple[int, ...] = ()
@@ -50,11 +61,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, num_pages: int):
         self.config = config
         self.slots = SlotTable(config.max_slots)
+        self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
+        # pages kept free when admitting beside running sequences, so their next rounds rarely preempt
+        self.watermark = max(1, num_pages // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admission order
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,30 +86,62 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence: its slot is free for the next admission."""
+        """Retire a sequence: its slot and pages are free for the next admission."""
         seq.finish_reason, seq.status = reason, Status.FINISHED
+        self._free(seq)
+        self.running.pop(seq.request_id, None)
+
+    def _free(self, seq: Sequence) -> None:
         if seq.slot >= 0:
+            self.pages.release(seq.slot)
             self.slots.give_back(seq.slot)
             seq.slot = -1
-        self.running.pop(seq.request_id, None)
 
     def schedule(self) -> StepPlan:
         cancelled = self._retire_cancelled()
+        decode, widths, preempted = self._make_room()
+        grants = [g for seq, w in zip(decode, widths) for g in self.pages.grow(seq.slot, seq.position + w)]
         admitted = []
-        while self.waiting and self.slots.num_free:
-            seq = self.waiting.popleft()
-            seq.slot, seq.status = self.slots.take(), Status.PREFILLING
+        while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
+            seq = self.waiting[0]
+            need = pages_for(len(seq.prefill_ids), self.config.page_size)
+            if need > self.pages.num_free - (self.watermark if self.running else 0):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, 0
+            grants += self.pages.grow(seq.slot, len(seq.prefill_ids))
             self.running[seq.request_id] = seq
             admitted.append(seq)
-        decode = [s for s in self.running.values() if s.status is Status.DECODING]
-        widths = [self.width(s) for s in decode]
-        return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), prefill=tuple(self._prefill_chunks()),
-                        decode=tuple(decode), widths=tuple(widths),
-                        round_width=self.config.block_size if any(w > 1 for w in widths) else 1)
+        return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
+                        pages=tuple(grants), prefill=tuple(self._prefill_chunks()), decode=tuple(decode),
+                        widths=tuple(widths), round_width=self.config.block_size if any(w > 1 for w in widths) else 1)
 
     def width(self, seq: Sequence) -> int:
         """Rows the sequence verifies this round: the block, or fewer when fewer tokens are left."""
         return max(1, min(self.config.block_size, seq.remaining))
+
+    def _make_room(self) -> tuple[list[Sequence], list[int], list[Sequence]]:
+        """The round's lanes and widths, after preempting the most recently admitted sequences until the
+        pages every lane's rows reach are free (prefilling sequences took theirs at admission)."""
+        preempted = []
+        while True:
+            decode = [s for s in self.running.values() if s.status is Status.DECODING]
+            widths = [self.width(s) for s in decode]
+            need = sum(self.pages.missing(s.slot, s.position + w) for s, w in zip(decode, widths))
+            if need <= self.pages.num_free:
+                return decode, widths, preempted
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim)
+            preempted.append(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give back the sequence's slot and pages and queue it first; it is recomputed when readmitted."""
+        self._free(seq)
+        del self.running[seq.request_id]
+        seq.status, seq.num_prefilled = Status.WAITING, 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def _prefill_chunks(self) -> list[PrefillChunk]:
         budget, chunks = self.config.prefill_chunk, []
@@ -103,7 +150,9 @@ class Scheduler:
                 continue
             n = min(seq.prompt_left, budget)
             start = seq.num_prefilled
-            chunks.append(PrefillChunk(seq, start, tuple(seq.prompt_ids[start:start + n]), n == seq.prompt_left))
+            last = n == seq.prompt_left
+            chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_ids[start:start + n]), last,
+                                       emits=last and not seq.output_ids))
             budget -= n
         return chunks
 

@@ -1,14 +1,34 @@
-"""Gated full attention with partial RoPE and GQA over the slot pool's per-slot K/V cache."""
+"""Gated full attention with partial RoPE and GQA over paged K/V (cache/pages.py, ops/attention)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm, apply_rope, masked_attention
+from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm, apply_rope
 from deltaflash.ops.kernels import Kernels
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """What every attention layer of one forward shares (ops/attention/README.md has the contract).
+
+    kv_rows [L, T] long: storage row of each row's K/V (the sink for rows that must land nowhere);
+    slot_ids [L] (-1 padding); context_lens [L] long: committed keys before the rows; n_rows [L] long:
+    valid rows; mode "causal" | "tree" with tree_mask [L, T, T] bool; max_pages: table entries the
+    reference attention reads (a host bound; None: the whole table, a fixed shape for CUDA graphs)."""
+
+    kv_rows: torch.Tensor
+    slot_ids: torch.Tensor
+    context_lens: torch.Tensor
+    n_rows: torch.Tensor
+    mode: str = "causal"
+    tree_mask: torch.Tensor | None = None
+    max_pages: int | None = None
 
 
 class GatedAttention(MergedProjections):
@@ -26,28 +46,16 @@ class GatedAttention(MergedProjections):
         self.q_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, slot_ids, store_index, visible, pool: SlotPool, write_slots, kernels: Kernels):
-        """x [L, T, H]; rope (cos, sin) [L, T, rd]; slot_ids [L] (-1 padding);
-        store_index [L, T] cache row where each row's K/V is stored; visible [L, T, Kmax] bool mask
-        over cache rows 0..Kmax-1; write_slots [L, T] the slot each row's K/V goes to (the pool's sink
-        for rows that must not land anywhere). No host syncs: CUDA-graph safe. Returns [L, T, H]."""
-        L, T, _ = x.shape
+    def forward(self, x, rope, rows: AttentionRows, pool: SlotPool, kernels: Kernels):
+        """x [L, T, H]; rope (cos, sin) [L, T, rd]. Writes the rows' K/V into their pages, then attends
+        over each lane's pages up to its length. No host syncs: CUDA-graph safe. Returns [L, T, H]."""
         a_i = self.attn_index
         q, k, v = self.project(x)
         q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q, kernels), *rope)
         k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
-        v = v.unflatten(-1, (self.nkv, self.hd))
-
-        pos = store_index.clamp(max=pool.max_len - 1)
-        pool.key_cache[write_slots, a_i, pos] = k.to(pool.key_cache.dtype)
-        pool.value_cache[write_slots, a_i, pos] = v.to(pool.value_cache.dtype)
-
-        kmax = visible.shape[-1]
-        read = slot_ids.clamp(min=0)
-        keys = pool.key_cache[read, a_i, :kmax].transpose(1, 2)  # [L, nkv, Kmax, hd]
-        values = pool.value_cache[read, a_i, :kmax].transpose(1, 2)
-        out = masked_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), visible[:, None],
-                               self.hd ** -0.5)
-        out = out.transpose(1, 2).flatten(-2) * torch.sigmoid(gate.flatten(-2))
-        return self.o_proj(out)
+        pool.write_kv(a_i, rows.kv_rows, k, v.unflatten(-1, (self.nkv, self.hd)))
+        out = kernels.paged_attention(q.contiguous(), pool.key_cache[a_i], pool.value_cache[a_i], pool.tables.tables,
+                                      rows.slot_ids, rows.context_lens, rows.n_rows, scale=self.hd ** -0.5,
+                                      mode=rows.mode, tree_mask=rows.tree_mask, max_pages=rows.max_pages)
+        return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))

@@ -8,7 +8,8 @@ B block size, C context rows, V vocabulary. The drafter owns no embedding and no
   per layer: k = rope(k_norm(k_proj(c)), p), v = v_proj(c)            [nk, hd] each
 - Block: h = target_embed([anchor, MASK x (B-1)]) * input_embedding_scale at positions
   anchor_pos + 0..B-1. Per layer: h += attn(norm1(h)); h += mlp(norm2(h)). Output norm(h).
-  attn: queries from the block; keys / values = [context rows | block rows]; q_norm / k_norm per
+  attn: queries from the block; keys / values = [context rows | block rows] (paged: the block's K/V
+  are written beside the context for the call, cache/draft_context.py); q_norm / k_norm per
   head, RoPE on q and k. Full layers: every context row and the whole block (no causal mask).
   Windowed layers: query_pos - key_pos < W (and key_pos - query_pos < W when not causal);
   causal layers: key_pos <= query_pos. `DraftConfig.causal` / `sliding_windows` say which.
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from deltaflash.cache.draft_context import ContextView
+from deltaflash.cache.draft_context import DraftContext
 from deltaflash.errors import (
     CheckpointError,
     DrafterMismatchError,
@@ -38,7 +39,6 @@ from deltaflash.errors import (
 )
 from deltaflash.models.checkpoint import Checkpoint
 from deltaflash.models.dflash_config import DraftConfig, read_draft_config
-from deltaflash.models.layers import masked_attention
 
 
 class RMSNorm(nn.Module):
@@ -70,25 +70,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-def block_attention_mask(
-    context: ContextView, block_positions: Tensor, window: int | None, causal: bool
-) -> Tensor:
-    """Visibility [L, 1, B, C + B] (True = attend) of [context rows | block] for block queries."""
-    query = block_positions[:, :, None]  # [L, B, 1]
-    seen_context = context.valid[:, None, :].expand(-1, block_positions.shape[1], -1)  # [L, B, C]
-    block_key = block_positions[:, None, :]  # [L, 1, B]
-    lanes, block = block_positions.shape
-    seen_block = torch.ones(lanes, block, block, dtype=torch.bool, device=block_positions.device)
-    if causal:
-        seen_block = seen_block & (block_key <= query)
-    if window is not None:
-        seen_context = seen_context & (query - context.positions[:, None, :] < window)
-        seen_block = seen_block & (query - block_key < window)
-        if not causal:
-            seen_block = seen_block & (block_key - query < window)
-    return torch.cat([seen_context, seen_block], dim=-1)[:, None]
-
-
 class DraftAttention(nn.Module):
     def __init__(self, c: DraftConfig) -> None:
         super().__init__()
@@ -105,17 +86,14 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor
-    ) -> Tensor:
-        """x [L, B, H]; cos / sin [L, B, hd]; ctx_k / ctx_v [L, C, nk, hd]; mask [L, 1, B, C+B]."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: DraftContext, layer: int,
+                window: int | None, causal: bool) -> Tensor:
+        """x [L, B, H]; cos / sin [L, B, hd]; the block attends to its lanes' context and to itself."""
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)))
         q = apply_rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)  # [L, C+B, nk, hd]
-        out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                               self.head_dim**-0.5)  # [L, n, B, hd]
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+        out = context.attention(layer, q.contiguous(), k, v, window, causal)  # [L, B, n, hd]
+        return self.o_proj(out.flatten(-2))
 
 
 class DraftMLP(nn.Module):
@@ -165,10 +143,11 @@ class DraftLayer(nn.Module):
         self.attention_conv = GroupedDynamicConv(c.hidden_size, taps, group) if dflash2 else None
         self.mlp_conv = GroupedDynamicConv(c.hidden_size, taps, group) if dflash2 else None
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, context: DraftContext, layer: int,
+                window: int | None, causal: bool) -> Tensor:
         """h [L, B, H] -> [L, B, H]."""
         def attend(x: Tensor) -> Tensor:
-            return self.self_attn(x, cos, sin, ctx_k, ctx_v, mask)
+            return self.self_attn(x, cos, sin, context, layer, window, causal)
 
         h = h + _conv_wrapped(self.attention_conv, self.input_layernorm(h), attend)
         return h + _conv_wrapped(self.mlp_conv, self.post_attention_layernorm(h), self.mlp)
@@ -217,16 +196,12 @@ class DFlashDrafter(nn.Module):
         pairs = [layer.self_attn.keys_values(rows, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in pairs], 1), torch.stack([v for _, v in pairs], 1)
 
-    def forward(self, block_embeds: Tensor, block_positions: Tensor, context: ContextView) -> Tensor:
+    def forward(self, block_embeds: Tensor, block_positions: Tensor, context: DraftContext) -> Tensor:
         """block_embeds [L, B, H], block_positions [L, B] -> normed block hidden states [L, B, H]."""
         cos, sin = rope_tables(block_positions, self.config, block_embeds.dtype)
-        masks: dict[tuple[int | None, bool], Tensor] = {}
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            pattern = (self.config.sliding_windows[i], self.config.causal[i])
-            if pattern not in masks:
-                masks[pattern] = block_attention_mask(context, block_positions, *pattern)
-            h = layer(h, cos, sin, context.keys[:, i], context.values[:, i], masks[pattern])
+            h = layer(h, cos, sin, context, i, self.config.sliding_windows[i], self.config.causal[i])
         return self.norm(h)
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:

@@ -63,13 +63,6 @@ class DraftConfig:
         """How many target hidden states are concatenated into one context row."""
         return len(self.target_layer_ids)
 
-    @property
-    def ring_window(self) -> int | None:
-        """The window when *every* layer is windowed (context K/V can be a ring), else None."""
-        if any(w is None for w in self.sliding_windows):
-            return None
-        return max(self.sliding_windows)
-
 
 def read_draft_config(folder: Path) -> DraftConfig:
     """Parse `folder/config.json`; raises CheckpointError subclasses naming the bad field."""

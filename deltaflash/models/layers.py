@@ -6,13 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deltaflash.ops.kernels import Kernels
-
-# Not cuDNN: it builds a new graph for every new key length (~8 ms of host time per call), and decode
-# and drafting see a new key length every round.
-_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class MergedProjections(nn.Module):
@@ -148,18 +143,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = rd // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA over [L, heads, T, hd] queries and [L, kv_heads, S, hd] keys / values with a bool mask
-    [L, 1, T, S]; returns [L, heads, T, hd]. GQA without copying K / V per query head: the query
-    heads that share a kv head are stacked as extra query rows of that head (same keys, same mask)."""
-    L, heads, T, hd = q.shape
-    kv_heads = k.shape[1]
-    rep = heads // kv_heads
-    if rep > 1:
-        q = q.reshape(L, kv_heads, rep * T, hd)  # head g * rep + r -> kv head g, rows r * T + t
-        mask = mask.expand(L, 1, T, mask.shape[-1]).repeat(1, 1, rep, 1)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(L, heads, T, hd)

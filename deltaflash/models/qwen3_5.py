@@ -14,7 +14,7 @@ from torch import nn
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
 from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput
-from deltaflash.models.attention import GatedAttention
+from deltaflash.models.attention import AttentionRows, GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
 from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
 from deltaflash.ops.kernels import Kernels
@@ -85,14 +85,12 @@ class Qwen35Model(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max(s + n for s, n in zip(batch.start_host, batch.n_rows_host))
-        keys = torch.arange(kmax, device=device)
-        visible = keys.view(1, 1, kmax) <= batch.positions[..., None]
-        visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
-        write_slots = pool.kv_write_slots(batch.slot_ids, rows_valid)
+        rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
+                             slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
+                             max_pages=pool.tables.pages_to_read(kmax))
 
-        attend = lambda attn, h: attn(h, rope, batch.slot_ids, batch.positions, visible, pool, write_slots,  # noqa: E731
-                                      kernels)
+        attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
@@ -107,21 +105,22 @@ class Qwen35Model(nn.Module):
     def verify(self, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),
                kmax: int | None = None) -> VerifyOutput:
         """All lanes' W rows in one forward. GDN state is read only; attention K/V of row n is
-        written at start + n (past the committed length, so harmless until commit). No host syncs:
-        with a fixed `kmax` (attention reads cache rows < kmax) the forward can be graph-captured."""
+        written at start + n (past the committed length, so harmless until commit). No host syncs.
+        kmax: a host bound on every lane's start + W, so the reference attention reads no more pages
+        (None: from start_host, or with none the whole table, a fixed shape for CUDA graphs; the Triton
+        kernel reads each lane's own length either way)."""
         L, W = batch.input_ids.shape
         device = batch.input_ids.device
         x = self.embed_tokens(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
-        store = batch.start[:, None] + torch.arange(W, device=device)
-        kmax = kmax or max(batch.start_host) + W
-        keys = torch.arange(kmax, device=device).view(1, 1, kmax)
-        in_block = keys - batch.start.view(L, 1, 1)  # node index of a key row inside the block
-        ancestors = _ancestor_mask(batch.parents)  # [L, W, W]
-        block_visible = ancestors.gather(2, in_block.clamp(0, W - 1).expand(L, W, kmax))
-        visible = (in_block < 0) | ((in_block < W) & block_visible)
-        visible = _pad_lanes_see_one_key(visible, batch.slot_ids)
-        write_slots = pool.kv_write_slots(batch.slot_ids, torch.ones(L, W, dtype=torch.bool, device=device))
+        if kmax is None and batch.start_host:
+            kmax = max(batch.start_host) + W
+        store = batch.start[:, None] + torch.arange(W, device=device)  # row n's K/V at start + n
+        rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, store), slot_ids=batch.slot_ids,
+                             context_lens=batch.start, n_rows=torch.full_like(batch.start, W),
+                             mode="causal" if batch.chain_host else "tree",
+                             tree_mask=None if batch.chain_host else _ancestor_mask(batch.parents),
+                             max_pages=pool.tables.pages_to_read(kmax))
 
         cfg = self.cfg
         G, dk, dv = len(cfg.gdn_layer_ids), cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -130,7 +129,7 @@ class Qwen35Model(nn.Module):
         logs = torch.empty(G, L, W, cfg.linear_num_value_heads, 1 + dk + dv, dtype=torch.float32, device=device)
         gdn = lambda mixer, h: mixer.verify(h, batch, pool, kernels, windows[mixer.gdn_index],  # noqa: E731
                                             logs[mixer.gdn_index])
-        attend = lambda attn, h: attn(h, rope, batch.slot_ids, store, visible, pool, write_slots, kernels)  # noqa: E731
+        attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
         return VerifyOutput(logits=self.logits(x, kernels), taps=taps, conv_windows=windows, replay_log=logs)
 
@@ -145,11 +144,3 @@ def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     for _ in range(max(W - 1, 1).bit_length()):
         reach = torch.bmm(reach, reach).clamp_(max=1.0)  # counts of 0/1 paths: exact in fp32
     return reach > 0
-
-
-def _pad_lanes_see_one_key(visible: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-    """Padding lanes read nothing meaningful; give them one visible key so softmax stays finite."""
-    pad = (slot_ids < 0).view(-1, 1, 1)
-    first = torch.zeros_like(visible)
-    first[..., 0] = True
-    return torch.where(pad, first, visible)

@@ -1,6 +1,7 @@
 """The two implementations of every op the models run, as one frozen set each.
 
-- `triton`: the fused Triton kernels (verify route, replay / conv commit, norms, MoE experts). CUDA;
+- `triton`: the fused Triton kernels (verify route, replay / conv commit, norms, MoE experts, paged
+  attention). CUDA;
   on CPU they run only under TRITON_INTERPRET=1, in their tests.
 - `reference`: the unfused pure-torch route (ops/*/naive.py), op by op.
 
@@ -30,6 +31,7 @@ class Kernels:
     replay_commit: Callable           # (recurrent_state, replay_log, plan)
     conv_commit: Callable             # (conv_history, windows, plan)
     moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
+    paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
 
     @property
     def fused(self) -> bool:
@@ -60,6 +62,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 
 
 def reference_kernels() -> Kernels:
+    from deltaflash.ops.attention.naive import paged_attention_ref
     from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
@@ -74,10 +77,12 @@ def reference_kernels() -> Kernels:
         replay_commit=lambda state, log, plan: replay_lanes_ref(state, log, plan_lanes(plan)),
         conv_commit=lambda history, windows, plan: conv_lanes_ref(history, windows, plan_lanes(plan)),
         moe_experts=moe_experts_ref,
+        paged_attention=paged_attention_ref,
     )
 
 
 def triton_kernels() -> Kernels:
+    from deltaflash.ops.attention.paged import paged_attention
     from deltaflash.ops.conv.tree_step import conv_tree_step
     from deltaflash.ops.gdn.commit import conv_commit, replay_commit
     from deltaflash.ops.gdn.verify import gdn_verify
@@ -99,6 +104,7 @@ def triton_kernels() -> Kernels:
         replay_commit=replay,
         conv_commit=conv,
         moe_experts=fused_moe_experts,
+        paged_attention=paged_attention,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from deltaflash.engine.args import add_engine_args
+from deltaflash.engine.args import add_engine_args, check_engine_flags
 from deltaflash.errors import DeltaflashError
 
 
@@ -42,9 +42,8 @@ def cmd_serve(args) -> int:
 def check_flags(args) -> None:
     """The numeric flags' ranges (the engine's flags that need files are checked before loading, in
     engine/args.py)."""
-    for name, value, low, high in (("--max-model-len", args.max_model_len, 2, None),
-                                   ("--block-size", args.block_size, 0, None),
-                                   ("--max-concurrency", args.max_concurrency, 1, None),
+    check_engine_flags(args)
+    for name, value, low, high in (("--max-concurrency", args.max_concurrency, 1, None),
                                    ("--max-queue", args.max_queue, 0, None),
                                    ("--prefill-chunk", args.prefill_chunk, 1, None),
                                    ("--request-timeout", args.request_timeout, 0, None),

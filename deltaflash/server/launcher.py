@@ -47,7 +47,8 @@ def serve(args) -> int:
     def ready() -> None:
         print(f"deltaflash serve: model {card.name!r} on http://{args.host}:{port} "
               f"({engine.config.max_slots} slots, queue {args.max_queue}); started in {started_s:.1f} s "
-              f"(of which {engine.startup_s:.1f} s compiling kernels and capturing CUDA graphs)",
+              f"(of which {engine.startup_s:.1f} s compiling kernels and capturing CUDA graphs); "
+              f"{engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)}",
               file=sys.stderr, flush=True)
 
     app = build_app(Frontend(card, load_tokenizer(args.model)), worker, metrics,

@@ -31,9 +31,11 @@ class Metrics:
             self.requests.labels(outcome=outcome)
         self.queue_depth = Gauge("deltaflash_queue_depth", "Admitted requests waiting for a slot", registry=r)
         self.active_slots = Gauge("deltaflash_active_slots", "Slots holding a live sequence", registry=r)
-        self.slot_usage = Gauge("deltaflash_slot_usage_ratio",
-                                "Live slots / slots (the KV-cache usage: each slot holds one sequence's cache)",
-                                registry=r)
+        self.slot_usage = Gauge("deltaflash_slot_usage_ratio", "Live slots / slots (GDN state)", registry=r)
+        self.kv_usage = Gauge("deltaflash_kv_cache_usage_ratio", "K/V pages held by sequences / pages in the pool",
+                              registry=r)
+        self.preemptions = Counter("deltaflash_preemptions", "Sequences preempted to free K/V pages (their slot "
+                                   "and pages taken back; recomputed when readmitted)", registry=r)
         self.prompt_tokens = Counter("deltaflash_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("deltaflash_generated_tokens", "Tokens generated", registry=r)
         buckets = tuple(range(1, max(block_size, 1) + 1))
@@ -62,6 +64,10 @@ class Metrics:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
         for n in report.accepted_lengths:
             self.accepted_length.observe(n)
+        if report.preempted:
+            self.preemptions.inc(report.preempted)
+        if report.pages_total:
+            self.kv_usage.set(report.pages_used / report.pages_total)
 
     def observe_finished(self, latency_s: float, tokens: int, first_token_at: float | None,
                          last_token_at: float | None) -> None:

@@ -14,7 +14,6 @@ import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -105,7 +104,7 @@ class EngineWorker:
         self._draining, self._drain_deadline, self._closing = False, math.inf, False
         self._live: dict[str, _Live] = {}
         self._token_texts = TokenTexts(engine.tokenizer)
-        self._unadmitted: deque[str] = deque()  # in the engine, waiting for a slot; oldest first
+        self._unadmitted: set[str] = set()  # in the engine, never admitted to a slot yet
         self._thread = threading.Thread(target=self._run, name="deltaflash-engine", daemon=True)
         self.load = Load(0, 0, self.max_slots)
 
@@ -209,17 +208,17 @@ class EngineWorker:
         self._live[job.request_id] = _Live(job, TextStream(self._engine.tokenizer, job.stop_strings, job.decode),
                                            time.monotonic() + timeout if timeout > 0 else math.inf,
                                            self._engine.stop_ids(job.params))
-        self._unadmitted.append(job.request_id)
+        self._unadmitted.add(job.request_id)
         self._metrics.prompt_tokens.inc(len(job.prompt_ids))
 
     def _observe(self, step_started: float, report: StepReport) -> None:
-        """Step metrics, and the queue time of the requests this step admitted: the engine admits first
-        come, first served, so they are the oldest `report.admitted` ones not aborted before the step."""
+        """Step metrics, and the queue time of the requests this step admitted for the first time (a
+        sequence readmitted after a preemption was timed at its first admission)."""
         self._metrics.observe_step(report)
-        waiting = [rid for rid in self._unadmitted if rid in self._live and self._live[rid].abort_reason is None]
-        for rid in waiting[:report.admitted]:
-            self._metrics.queue_time.observe(step_started - self._live[rid].job.submitted)
-        self._unadmitted = deque(waiting[report.admitted:])
+        for rid in report.admitted_ids:
+            if rid in self._unadmitted:
+                self._unadmitted.discard(rid)
+                self._metrics.queue_time.observe(step_started - self._live[rid].job.submitted)
 
     def _abort(self, request_id: str, reason: str) -> None:
         live = self._live.get(request_id)
@@ -281,6 +280,7 @@ class EngineWorker:
 
     def _retire(self, live: _Live, outcome: str) -> None:
         del self._live[live.job.request_id]
+        self._unadmitted.discard(live.job.request_id)
         self._release(outcome)
 
     def _release(self, outcome: str) -> None:
@@ -302,6 +302,8 @@ class EngineWorker:
         self.load = Load(live, queued, self.max_slots, draining)
         self._metrics.active_slots.set(live)
         self._metrics.slot_usage.set(live / self.max_slots)
+        used, total = self._engine.page_usage
+        self._metrics.kv_usage.set(used / total if total else 0.0)
         self._metrics.queue_depth.set(queued)
 
     def _fail_all(self, message: str) -> None:

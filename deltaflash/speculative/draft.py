@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deltaflash.cache.draft_context import DraftContextCache
+from deltaflash.cache.draft_context import DraftContext, DraftContextCache
 from deltaflash.models.dflash import DFlashDrafter
+from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.sampling import STREAM_DRAFT, LaneSampling, lane_probs, sample_from, uniform_noise
 
 
@@ -41,15 +42,17 @@ class DraftProposal:
 def draft_hidden(
     drafter: DFlashDrafter, ctx_cache: DraftContextCache, embed_weight: Tensor,
     slot_ids: Tensor, anchor_ids: Tensor, anchor_positions: Tensor, block_size: int,
-    max_context_len: int | None = None,
+    max_context_len: int | None = None, attend=paged_attention_ref,
 ) -> Tensor:
-    """Normed block hidden states [L, B, H] (slot 0 = anchor); lanes [L] as in `propose`."""
+    """Normed block hidden states [L, B, H] (slot 0 = anchor); lanes [L] as in `propose`; attend: the
+    paged attention op (the reference, or the Triton kernel of ops/kernels.py)."""
     config = drafter.config
     ids = torch.full((slot_ids.shape[0], block_size), config.mask_token_id, dtype=torch.long, device=slot_ids.device)
     ids[:, 0] = torch.where(slot_ids < 0, 0, anchor_ids)  # padding lanes may carry any anchor id
     embeds = (F.embedding(ids, embed_weight) * config.input_embedding_scale).to(drafter.dtype)
     positions = anchor_positions[:, None] + torch.arange(block_size, device=slot_ids.device)
-    return drafter(embeds, positions, ctx_cache.view(slot_ids, max_context_len))
+    context = DraftContext.build(ctx_cache, slot_ids, anchor_positions, block_size, attend, max_context_len)
+    return drafter(embeds, positions, context)
 
 
 @torch.no_grad()

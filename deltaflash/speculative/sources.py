@@ -18,8 +18,10 @@ import torch
 from torch import Tensor
 
 from deltaflash.cache.draft_context import DraftContextCache
+from deltaflash.cache.pages import BlockTables
 from deltaflash.core.batch import to_device
 from deltaflash.core.request import Sequence as Seq
+from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import LaneSampling
 
@@ -46,18 +48,20 @@ class DraftSource(Protocol):
 
 
 class DFlashSource:
-    def __init__(self, drafter, embed_weight: Tensor, lm_head_weight: Tensor, num_slots: int, max_len: int,
-                 block_size: int = 0, graph_factory: GraphFactory | None = None):
-        """block_size: the verify width W (default: the drafter's own). graph_factory: when given, the
-        block forward and the context append replay CUDA graphs per lane bucket (the drafter then
-        attends over the full context capacity, a fixed shape)."""
+    def __init__(self, drafter, embed_weight: Tensor, lm_head_weight: Tensor, tables: BlockTables,
+                 block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref):
+        """tables: the target's block tables (the context lives in pages of the same ids). block_size: the
+        verify width W (default: the drafter's own). graph_factory: when given, the block forward and the
+        context append replay CUDA graphs per lane bucket (the reference attention then reads the whole
+        table, a fixed shape; the Triton kernel reads each lane's own length). attend: the paged
+        attention op of the engine's kernel set."""
         self.drafter, self.embed_weight, self.lm_head_weight = drafter, embed_weight, lm_head_weight
         c = drafter.config
         self.block_size = block_size or c.block_size
         self.tap_layer_ids = tuple(c.target_layer_ids)
-        self.context = DraftContextCache(num_slots=num_slots, max_model_len=max_len, num_layers=c.num_layers,
-                                         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ring_window=c.ring_window,
-                                         dtype=drafter.dtype, device=embed_weight.device)
+        self.attend = attend
+        self.context = DraftContextCache(tables, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                                         head_dim=c.head_dim, dtype=drafter.dtype, device=embed_weight.device)
         self.block_graphs = self.append_graphs = None
         if graph_factory is not None:
             W, taps = self.block_size, len(self.tap_layer_ids) * c.hidden_size
@@ -84,7 +88,7 @@ class DFlashSource:
     def _block_logits(self, slot_ids, anchors, start, max_context_len: int | None = None):
         """The block's hidden [L, W-1, H] and logits [L, W-1, V] of the drafted slots."""
         hidden = draft_hidden(self.drafter, self.context, self.embed_weight, slot_ids, anchors, start,
-                              self.block_size, max_context_len=max_context_len)[:, 1:]
+                              self.block_size, max_context_len=max_context_len, attend=self.attend)[:, 1:]
         return hidden, self.drafter.logits(hidden, self.lm_head_weight)
 
     def draft(self, seqs, slot_ids, anchors, start, sampling):

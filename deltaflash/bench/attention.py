@@ -1,0 +1,70 @@
+"""`deltaflash bench attention`: the paged attention kernel of one layer of the Qwen3.5-9B shape (16 query /
+4 kv heads of 256, bf16) at real context lengths, against its K/V byte roofline and the torch reference.
+
+Roofline: the K/V bytes every lane must read (context + rows, 2 x nkv x hd x 2 bytes per position) plus
+q and the output, over the measured copy bandwidth. Pages of the default size hold each lane's context
+in a random order of a pool shared by all lanes. Device times by CUDA-graph replay (as the engine
+replays its rounds); the reference (gather + SDPA) only where its gathered copy stays under 8 GiB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaflash.bench.common import copy_bandwidth_gbs, graph_ms, machine, print_table, write_json
+from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, pages_for
+from deltaflash.ops.attention.naive import paged_attention_ref
+from deltaflash.ops.attention.paged import default_splits, paged_attention
+
+NH, NKV, HD = 16, 4, 256
+
+
+def lanes_at(context: int, lanes: int, rows: int, page_size: int, device):
+    """Arguments of one call: `lanes` lanes with `context` committed positions and `rows` query rows."""
+    per_lane = pages_for(context + rows, page_size)
+    pages = lanes * per_lane
+    key_pages = torch.randn(pages + 1, page_size, NKV, HD, dtype=torch.bfloat16, device=device)
+    value_pages = torch.randn_like(key_pages)
+    tables = torch.randperm(pages, device=device).int().view(lanes, per_lane)
+    return dict(q=torch.randn(lanes, rows, NH, HD, dtype=torch.bfloat16, device=device), key_pages=key_pages,
+                value_pages=value_pages, block_tables=tables, slot_ids=torch.arange(lanes, device=device),
+                context_lens=torch.full((lanes,), context, device=device),
+                n_rows=torch.full((lanes,), rows, device=device))
+
+
+@torch.inference_mode()
+def run(args) -> dict:
+    bw = copy_bandwidth_gbs("cuda")
+    out = []
+    for context in args.contexts:
+        for lanes in args.lanes:
+            for rows in args.rows:
+                call = lanes_at(context, lanes, rows, args.page_size, "cuda")
+                kv_bytes = lanes * (context + rows) * 2 * NKV * HD * 2
+                roofline_ms = (kv_bytes + 2 * call["q"].numel() * 2) / (bw * 1e9) * 1e3
+                kernel_ms = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5))
+                row = {"context": context, "lanes": lanes, "rows": rows,
+                       "splits": default_splits(lanes, NKV, rows, NH // NKV, HD, context + rows, "cuda"),
+                       "kernel_ms": kernel_ms, "roofline_ms": roofline_ms, "kernel/roofline": kernel_ms / roofline_ms}
+                gathered = lanes * pages_for(context + rows, args.page_size) * args.page_size * 2 * NKV * HD * 2
+                if gathered < 8 << 30:
+                    ref_ms = graph_ms(lambda: paged_attention_ref(**call, scale=HD ** -0.5), reps=3, trials=3)
+                    row |= {"reference_ms": ref_ms, "reference/kernel": ref_ms / kernel_ms}
+                out.append(row)
+                del call
+                torch.cuda.empty_cache()
+    print(f"copy bandwidth {bw:.0f} GB/s; page size {args.page_size}; 9B attention layer: {NH} / {NKV} heads of {HD}")
+    print_table("paged attention, one layer, bf16 (device time by CUDA-graph replay)", out)
+    result = {"machine": machine(), "copy_bandwidth_gbs": bw, "page_size": args.page_size, "rows": out}
+    write_json(args.json, result)
+    return result
+
+
+def register(sub) -> None:
+    p = sub.add_parser("attention", help="paged attention kernel vs its K/V byte roofline at real contexts (CUDA)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--lanes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="query rows per lane (1: decode, W: verify)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)

@@ -1,0 +1,131 @@
+"""Pages: the token-sized state of every sequence (attention K/V of the target, the drafter's context).
+
+A page holds `page_size` consecutive positions of one sequence. Page ids index every page store of the
+engine alike (the target's K/V and the drafter's context): one allocator, one block table per slot.
+- `PageAllocator` (host only; the scheduler owns it): which pages are free and which a slot holds, in
+  position order. Pages are taken as a sequence grows and given back when it retires or is preempted.
+- `BlockTables` (device): the slots' tables `[S + 1, max_pages]` int32, read by every forward to find a
+  position's storage row; row S serves padding lanes and page `num_pages` is the sink that padding
+  writes land in, so every write is unconditional (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from deltaflash.core.batch import to_device
+from deltaflash.errors import PagesExhaustedError
+
+DEFAULT_PAGE_SIZE = 16  # ops/attention/README.md argues the choice
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def page_store(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros for a page store. On CPU through calloc (numpy), whose large blocks are fresh zero pages of
+    the OS: the memory a pool takes grows with the pages sequences write, not with the pool's size."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype).view(shape)
+
+
+class PageAllocator:
+    """Page ids 0..num_pages-1 and the pages each slot holds. Never-used pages are handed out in order
+    (no list of all ids is built, so a pool of millions of pages starts at once), given-back ones first."""
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self._fresh = 0                 # pages _fresh.. have never been handed out
+        self._returned: list[int] = []  # pages given back, reused first
+        self.held: list[list[int]] = [[] for _ in range(num_slots)]
+
+    @property
+    def num_free(self) -> int:
+        return self.num_pages - self._fresh + len(self._returned)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def missing(self, slot: int, tokens: int) -> int:
+        """Pages `slot` must still take to hold positions 0..tokens-1."""
+        return max(0, pages_for(tokens, self.page_size) - len(self.held[slot]))
+
+    def grow(self, slot: int, tokens: int) -> list[tuple[int, int, int]]:
+        """Take the pages `slot` lacks for positions 0..tokens-1; returns the new (slot, table index, page)
+        entries. PagesExhaustedError (nothing taken) when too few are free: callers check `missing` first."""
+        n = self.missing(slot, tokens)
+        if n > self.num_free:
+            raise PagesExhaustedError(f"slot {slot} needs {n} more pages for {tokens} tokens; {self.num_free} free")
+        grants = []
+        for _ in range(n):
+            page = self._returned.pop() if self._returned else self._take_fresh()
+            grants.append((slot, len(self.held[slot]), page))
+            self.held[slot].append(page)
+        return grants
+
+    def _take_fresh(self) -> int:
+        self._fresh += 1
+        return self._fresh - 1
+
+    def release(self, slot: int) -> int:
+        """Give back every page of `slot` (retirement, cancellation, preemption); returns how many."""
+        pages, self.held[slot] = self.held[slot], []
+        self._returned.extend(reversed(pages))
+        return len(pages)
+
+
+class BlockTables:
+    """tables [S + 1, max_pages] int32 on the device: entry (slot, i) is the page of positions
+    i * page_size .. (i + 1) * page_size - 1. With `num_pages` None the tables are static: slot s owns
+    pages s * max_pages .. (s + 1) * max_pages - 1 for its whole capacity (kernels, tests and benchmarks
+    that drive a model without a scheduler); otherwise entries start at the sink and `map` fills them."""
+
+    def __init__(self, num_slots: int, max_len: int, page_size: int, device, num_pages: int | None = None):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_slots, self.page_size = num_slots, page_size
+        self.max_pages = pages_for(max_len, page_size)
+        self.static = num_pages is None
+        self.num_pages = num_slots * self.max_pages if self.static else num_pages
+        self.sink_page = self.num_pages
+        self.tables = torch.full((num_slots + 1, self.max_pages), self.sink_page, dtype=torch.int32, device=device)
+        if self.static:
+            self.tables[:num_slots] = torch.arange(self.num_pages, dtype=torch.int32, device=device).view(
+                num_slots, self.max_pages)
+
+    @property
+    def capacity(self) -> int:
+        """Positions one slot can hold."""
+        return self.max_pages * self.page_size
+
+    def map(self, grants: Sequence[tuple[int, int, int]]) -> None:
+        """Write (slot, table index, page) entries: one host -> device transfer, no sync."""
+        if self.static:
+            raise ValueError("static block tables are not mapped")
+        if grants:
+            slot, index, page = to_device(list(zip(*grants)), self.tables.device).unbind(0)
+            self.tables[slot, index] = page.int()
+
+    def rows(self, slot_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Storage rows (page * page_size + offset) of positions [L, T] of lanes slot_ids [L]; the sink's
+        first row for padding lanes (slot -1) and where keep [L, T] is False. No host sync."""
+        lanes = torch.where(slot_ids < 0, self.num_slots, slot_ids)
+        index = (positions // self.page_size).clamp(0, self.max_pages - 1)
+        page = self.tables[lanes].gather(1, index).long()
+        rows = page * self.page_size + positions % self.page_size
+        drop = (slot_ids < 0)[:, None] if keep is None else (slot_ids < 0)[:, None] | ~keep
+        return torch.where(drop, self.sink_page * self.page_size, rows)
+
+    def pages_to_read(self, length: int | None) -> int | None:
+        """Table entries that cover `length` positions (None: all, a fixed shape)."""
+        return None if length is None else min(self.max_pages, pages_for(length, self.page_size))

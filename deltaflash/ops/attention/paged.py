@@ -1,0 +1,227 @@
+"""Paged attention in Triton: K/V read in place from the lanes' pages, up to each lane's real length.
+
+Reference and contract: naive.py; the math and the choices: README.md. One program per (lane, kv head,
+tile of BM query rows, split of the key range). The query heads that share a kv head are stacked as
+rows (row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv
+head. A program walks its keys in tiles of BN, gathering each key's page from the lane's block table
+(pages need not be as large as a tile), with an online softmax in fp32. With SPLITS > 1 the key range
+is cut into SPLITS parts (flash-decoding) and `combine_kernel` merges their partial results by
+log-sum-exp; the cut is computed in the kernel from each lane's own length, so a CUDA graph captured
+with a fixed SPLITS replays for any lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaflash.ops.attention.naive import MODES
+
+_MODE_IDS = {name: i for i, name in enumerate(MODES)}  # causal 0, full 1, tree 2
+MAX_SPLITS = 16
+
+
+@triton.jit
+def paged_attention_kernel(
+    q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
+    stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
+    stride_bt, stride_o_l, stride_o_t, stride_o_h,
+    T, NKV, page_size, scale, window, M_PAD,
+    REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_lg, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_l = (i_lg // NKV).to(tl.int64)
+    i_g = i_lg % NKV
+    slot = tl.load(slot_ids + i_l)
+    ctx = tl.load(context_lens + i_l)
+    kv_end = tl.where(slot >= 0, ctx + tl.load(n_rows + i_l), 0)
+
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_t = o_m // REP
+    m_m = o_t < T
+    o_d = tl.arange(0, BD)
+    m_d = o_d < HD
+    p_q = (q + i_l * stride_q_l + o_t[:, None].to(tl.int64) * stride_q_t
+           + (i_g * REP + o_m % REP)[:, None] * stride_q_h + o_d[None, :])
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+
+    # the keys any row of this tile can see: [lo, hi)
+    t_lo = (i_m * BM) // REP
+    t_hi = tl.minimum((i_m * BM + BM - 1) // REP, T - 1)
+    hi = kv_end
+    if MODE != 1:  # causal / tree rows see no block row past their own
+        hi = tl.minimum(hi, ctx + t_hi + 1)
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(ctx + t_lo - window + 1, 0)
+        hi = tl.minimum(hi, ctx + t_hi + window)
+    # this split's share of them, in whole tiles
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BN), SPLITS) * BN
+    s_lo = lo + i_s * per_split
+    s_hi = tl.minimum(hi, s_lo + per_split)
+
+    b_max = tl.full([BM], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    p_table = block_tables + tl.maximum(slot, 0).to(tl.int64) * stride_bt
+    for start in range(s_lo, s_hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < s_hi
+        page = tl.load(p_table + o_n // page_size, mask=m_n, other=0).to(tl.int64)
+        row = (o_n % page_size).to(tl.int64)
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_pages + page[:, None] * stride_k_p + row[:, None] * stride_k_s + i_g * stride_k_h
+                      + o_d[None, :], mask=m_kv, other=0.0)
+        b_v = tl.load(v_pages + page[:, None] * stride_v_p + row[:, None] * stride_v_s + i_g * stride_v_h
+                      + o_d[None, :], mask=m_kv, other=0.0)
+        if IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+        o_b = o_n - ctx  # index inside the block; < 0: a committed key, visible to every row
+        if MODE == 0:
+            m_vis = (o_b[None, :] < 0) | (o_b[None, :] <= o_t[:, None])
+        elif MODE == 1:
+            m_vis = (o_t[:, None] >= 0) & m_n[None, :]
+        else:
+            m_tree = m_m[:, None] & (o_b >= 0)[None, :] & m_n[None, :]
+            b_tree = tl.load(tree_mask + i_l * T * T + o_t[:, None] * T + o_b[None, :], mask=m_tree, other=0)
+            m_vis = (o_b[None, :] < 0) | (b_tree != 0)
+        m_vis = m_vis & m_n[None, :]
+        if WINDOWED:
+            distance = (ctx + o_t)[:, None] - o_n[None, :]
+            m_vis = m_vis & (distance < window) & (-distance < window)
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_new = tl.maximum(b_max, tl.max(b_s, 1))
+        b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # a row that has seen nothing yet
+        b_p = tl.exp(b_s - b_safe[:, None])
+        b_alpha = tl.exp(b_max - b_safe)
+        b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
+        if IEEE:
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
+        b_acc = b_acc * b_alpha[:, None] + b_pv
+        b_max = b_new
+
+    b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a row that sees no key gives zeros
+    if SPLITS == 1:
+        p_o = (out + i_l * stride_o_l + o_t[:, None].to(tl.int64) * stride_o_t
+               + (i_g * REP + o_m % REP)[:, None] * stride_o_h + o_d[None, :])
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    else:
+        i_part = (i_lg.to(tl.int64) * SPLITS + i_s) * M_PAD + o_m
+        tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o)
+        tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")))
+
+
+@triton.jit
+def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, M_PAD,
+                   REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr):
+    """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of one (lane, kv head, row tile)."""
+    i_lg, i_m = tl.program_id(0), tl.program_id(1)
+    i_l = (i_lg // NKV).to(tl.int64)
+    i_g = i_lg % NKV
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_t = o_m // REP
+    o_d = tl.arange(0, BD)
+    base = i_lg.to(tl.int64) * SPLITS * M_PAD
+    b_top = tl.full([BM], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        b_top = tl.maximum(b_top, tl.load(part_lse + base + s * M_PAD + o_m))
+    b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
+    b_num = tl.zeros([BM, BD], dtype=tl.float32)
+    b_den = tl.zeros([BM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        b_w = tl.exp(tl.load(part_lse + base + s * M_PAD + o_m) - b_top)
+        b_num += b_w[:, None] * tl.load(part_out + (base + s * M_PAD + o_m)[:, None] * BD + o_d[None, :])
+        b_den += b_w
+    b_o = b_num / tl.where(b_den > 0, b_den, 1.0)[:, None]
+    p_o = (out + i_l * stride_o_l + o_t[:, None].to(tl.int64) * stride_o_t
+           + (i_g * REP + o_m % REP)[:, None] * stride_o_h + o_d[None, :])
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=(o_t < T)[:, None] & (o_d < HD)[None, :])
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def tiles(T: int, rep: int, head_dim: int) -> tuple[int, int]:
+    """(BM query rows, BN keys) per program: rows of one kv head up to 64; smaller key tiles for wide heads."""
+    return max(16, min(64, triton.next_power_of_2(T * rep))), 64 if head_dim <= 128 else 32
+
+
+def default_splits(lanes: int, kv_heads: int, T: int, rep: int, head_dim: int, max_keys: int, device) -> int:
+    """Splits of the key range so that about two programs run per multiprocessor (flash-decoding
+    when lanes x kv heads x row tiles are few), each split at least four key tiles of `max_keys`."""
+    BM, BN = tiles(T, rep, head_dim)
+    programs = lanes * kv_heads * triton.cdiv(T * rep, BM)
+    want = triton.cdiv(2 * _multiprocessors(torch.device(device)), programs)
+    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_keys, 4 * BN)))
+
+
+def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
+                        mode: str, tree_mask, window: int | None, splits: int, out: torch.Tensor) -> torch.Tensor:
+    L, T, nh, hd = q.shape
+    nkv = key_pages.shape[2]
+    rep = nh // nkv
+    BM, BN = tiles(T, rep, hd)
+    BD = triton.next_power_of_2(hd)
+    m_tiles = triton.cdiv(T * rep, BM)
+    M_PAD = m_tiles * BM
+    if splits > 1:
+        part_out = torch.empty(L * nkv * splits * M_PAD, BD, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(L * nkv * splits * M_PAD, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    grid = (L * nkv, m_tiles, splits)
+    paged_attention_kernel[grid](
+        q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows,
+        q if tree_mask is None else tree_mask, out, part_out, part_lse,
+        q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        T, nkv, key_pages.shape[1], scale, window or 0, M_PAD,
+        REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4,
+    )
+    if splits > 1:
+        combine_kernel[(L * nkv, m_tiles)](part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2),
+                                           T, nkv, M_PAD, REP=rep, HD=hd, BD=BD, BM=BM, SPLITS=splits, num_warps=4)
+    return out
+
+
+def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, block_tables: torch.Tensor,
+                    slot_ids: torch.Tensor, context_lens: torch.Tensor, n_rows: torch.Tensor | None = None, *,
+                    scale: float, mode: str = "causal", tree_mask: torch.Tensor | None = None,
+                    window: int | None = None, max_pages: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """naive.paged_attention_ref reading the pages in place (same arguments; `max_pages` is not needed:
+    each lane reads up to its own length). splits: key-range splits (None: `default_splits`)."""
+    L, T, nh, hd = q.shape
+    P, page_size, nkv, hd_k = key_pages.shape
+    if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:
+        raise ValueError(f"q {tuple(q.shape)}, key_pages {tuple(key_pages.shape)} and value_pages "
+                         f"{tuple(value_pages.shape)} do not fit: [L, T, nh, hd] and [P, page, nkv, hd], nh % nkv == 0")
+    if key_pages.stride(-1) != 1 or value_pages.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the pages need unit stride over head_dim")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if (mode == "tree") != (tree_mask is not None):
+        raise ValueError("tree_mask goes with mode 'tree', and only with it")
+    if mode == "tree" and (tree_mask.shape != (L, T, T) or window is not None):
+        raise ValueError(f"tree_mask must be [{L}, {T}, {T}] (and trees take no window), got {tuple(tree_mask.shape)}")
+    for name, t in (("slot_ids", slot_ids), ("context_lens", context_lens)):
+        if t.shape != (L,):
+            raise ValueError(f"{name} must be [{L}], got {tuple(t.shape)}")
+    n_rows = torch.full_like(context_lens, T) if n_rows is None else n_rows
+    splits = splits or default_splits(L, nkv, T, nh // nkv, hd, block_tables.shape[1] * page_size, q.device)
+    out = torch.empty_like(q)
+    if L == 0 or T == 0:
+        return out
+    mask = None if tree_mask is None else tree_mask.to(torch.int8).contiguous()
+    return paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens.long(), n_rows.long(),
+                               scale, mode, mask, window, splits, out)

@@ -1,0 +1,147 @@
+"""Paged K/V through the engine (CPU): pages smaller than a verify block and than a prefill chunk, pools
+too small for every sequence at once (queueing, preemption and exact resumption), pages given back on
+every way out, a pool sized by memory and max_model_len fitted to it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltaflash.cache.pages import PageAllocator
+from deltaflash.core.request import SamplingParams
+from deltaflash.errors import DeltaflashError, PagesExhaustedError, RequestError
+from deltaflash.speculative.sources import ScriptedSource
+from tests.spec_pairs import engine_for, make_pair, prompts
+
+BLOCK = 6
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pages"), block_size=BLOCK)
+
+
+def greedy(engine, batch, new=24):
+    done, _ = engine.generate(batch, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    return [c.token_ids for c in done]
+
+
+def all_free(engine) -> bool:
+    pages = engine.scheduler.pages
+    return pages.num_free == pages.num_pages and engine.scheduler.slots.num_free == engine.config.max_slots
+
+
+def page_bytes(target, draft=None, **config) -> int:
+    """Bytes of one page (target K/V, and the drafter's context with a drafter) for these settings."""
+    return engine_for(target, draft, max_slots=1, max_model_len=64, **config).runner.page_plan.page_bytes
+
+
+def test_allocator_takes_and_gives_back_pages():
+    pages = PageAllocator(num_pages=5, page_size=4, num_slots=2)
+    assert pages.missing(0, 9) == 3 and pages.grow(0, 9) == [(0, 0, 0), (0, 1, 1), (0, 2, 2)]
+    assert pages.grow(0, 12) == [] and pages.missing(1, 1) == 1 and pages.num_free == 2
+    with pytest.raises(PagesExhaustedError, match="needs 3 more pages"):
+        pages.grow(1, 12)
+    assert pages.num_free == 2 and pages.held[1] == []  # nothing taken by the refused call
+    assert pages.release(0) == 3 and pages.num_free == 5
+    assert [page for _, _, page in pages.grow(1, 20)] == [0, 1, 2, 3, 4]  # given-back pages first, then fresh
+
+
+def test_pages_smaller_than_the_block_and_the_prefill_chunk_keep_greedy_exact(pair):
+    """Pages of 4 positions: every verify block of 6 rows and every prefill chunk of 5 tokens crosses
+    page boundaries; speculative and target-only greedy equal the output with pages of 64."""
+    batch = prompts(96, [3, 11, 17, 8], seed=2)
+    wide = greedy(engine_for(pair[0], page_size=64, max_model_len=128), batch)
+    small_plain = greedy(engine_for(pair[0], page_size=4, prefill_chunk=5, max_model_len=128), batch)
+    spec = engine_for(*pair, page_size=4, prefill_chunk=5, max_model_len=128)
+    assert greedy(spec, batch) == small_plain == wide
+    # drafts that are all right (the greedy continuation, one in four corrupted): blocks of accepted rows
+    # are committed across page boundaries
+    source = ScriptedSource({tuple(p): out for p, out in zip(batch, wide)}, BLOCK, 96, corrupt=0.25, seed=1)
+    scripted = engine_for(pair[0], draft_source=source, page_size=4, prefill_chunk=5, max_model_len=128)
+    done, _ = scripted.generate(batch, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [c.token_ids for c in done] == wide
+    accepted = [n for c in done for n in c.accepted_lengths]
+    assert sum(accepted) / len(accepted) > 2
+    assert all_free(spec) and all_free(scripted)
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])
+def test_preempted_sequences_resume_exactly(pair, speculative):
+    """A pool of 26 pages of 4 positions for 4 sequences that each end at 14 pages: the newest ones are
+    preempted as the others grow, recomputed when readmitted, and every output equals the output of an
+    engine with room for all."""
+    draft = pair[1] if speculative else None
+    batch = prompts(96, [10, 7, 12, 9], seed=4)
+    config = dict(max_slots=4, max_model_len=64, page_size=4)
+    roomy = greedy(engine_for(pair[0], draft, **config), batch, new=40)
+    tight = engine_for(pair[0], draft, kv_cache_memory=26 * page_bytes(pair[0], draft, page_size=4), **config)
+    assert tight.runner.page_plan.num_pages == 26
+    assert greedy(tight, batch, new=40) == roomy
+    assert tight.stats["preemptions"] > 0 and all_free(tight)
+
+
+def test_requests_beyond_the_pool_wait_for_pages(pair):
+    """Eight sequences whose prompts alone need more pages than the pool has queue for pages (free slots
+    notwithstanding) and all complete, in the same outputs as with room for all."""
+    batch = prompts(96, [30] * 8, seed=6)
+    config = dict(max_slots=8, max_model_len=64, page_size=8)
+    tight = engine_for(pair[0], kv_cache_memory=20 * page_bytes(pair[0], page_size=8), **config)
+    for prompt in batch:
+        tight.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    tight.step()
+    assert tight.num_live < 8 and len(tight.scheduler.waiting) > 0  # 4 pages per prompt: at most 5 admitted
+    while tight.has_work():
+        tight.step()
+    assert greedy(tight, batch, new=8) == greedy(engine_for(pair[0], **config), batch, new=8)
+    assert all_free(tight)
+
+
+def test_500_requests_retired_cancelled_or_preempted_give_every_page_back(pair):
+    engine = engine_for(pair[0], max_slots=6, max_model_len=48, page_size=4,
+                        kv_cache_memory=16 * page_bytes(pair[0], page_size=4))
+    g = torch.Generator().manual_seed(0)
+    ids = []
+    for i in range(500):
+        prompt = torch.randint(0, 96, (int(torch.randint(1, 20, (), generator=g)),), generator=g).tolist()
+        ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=int(torch.randint(1, 24, (), generator=g)),
+                                                             ignore_eos=True)))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps % 3 == 0:  # cancel some waiting, prefilling and decoding requests along the way
+            engine.abort(ids[(steps * 7) % 500])
+    assert engine.stats["preemptions"] > 0
+    assert all_free(engine)
+
+
+def test_pool_sized_by_memory_and_max_model_len_fitted_to_it(pair, caplog):
+    per_page = page_bytes(pair[0])
+    engine = engine_for(pair[0], max_slots=2, max_model_len=None, kv_cache_memory=10 * per_page)
+    plan = engine.runner.page_plan
+    assert (plan.num_pages, plan.page_size) == (10, 16)
+    assert engine.config.max_model_len == 10 * 16 - 1  # the model's own lowered: 160 positions less one row
+    assert "sequences fit at the full context" in plan.describe(engine.config.max_model_len, 1)
+    with pytest.raises(RequestError, match="longer than the whole K/V page pool"):
+        engine.add_request([1] * 161, SamplingParams(max_new_tokens=1))
+    with pytest.raises(DeltaflashError, match="does not fit the K/V page pool"):
+        engine_for(pair[0], max_slots=2, max_model_len=1000, kv_cache_memory=10 * per_page)
+    roomy = engine_for(pair[0], max_slots=3, max_model_len=100, page_size=4)  # the 2 GiB default: capped
+    assert roomy.runner.page_plan.capped and roomy.runner.page_plan.num_pages == 3 * 26  # ceil((100 + 1) / 4)
+
+
+def test_cli_reports_a_pool_too_small_in_one_line(pair):
+    cmd = [sys.executable, "-m", "deltaflash", "generate", "--model", str(pair[0]), "--prompt-ids", "1,2,3",
+           "--device", "cpu", "--max-model-len", "5000", "--kv-cache-memory", "64KiB", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "does not fit the K/V page pool" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    bad = subprocess.run(cmd[:-5] + ["--kv-cache-memory", "lots"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "is not a size" in bad.stderr
+    ok = subprocess.run(cmd[:-5] + ["--max-new-tokens", "4", "--page-size", "4", "--kv-cache-memory", "1MiB",
+                                    "--json"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert len(json.loads(ok.stdout)["token_ids"]) == 4

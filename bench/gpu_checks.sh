@@ -38,9 +38,9 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
 for step in "$@"; do
     case $step in
         tests) run tests 300 python3 -m pytest -q ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
-                   tests/test_ops_moe.py tests/test_gpu_graphs.py} ;;
+                   tests/test_ops_moe.py tests/test_ops_attention.py tests/test_gpu_graphs.py} ;;
         spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q tests/test_spec.py \
-                  tests/test_spec_sampling.py tests/test_engine.py ;;
+                  tests/test_spec_sampling.py tests/test_engine.py tests/test_pages.py ;;
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
         tune) run tune 120 python3 bench/tune_verify.py ;;
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;

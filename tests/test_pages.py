@@ -8,12 +8,14 @@ import sys
 
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.cache.pages import PageAllocator
 from deltaflash.core.request import SamplingParams
 from deltaflash.errors import DeltaflashError, PagesExhaustedError, RequestError
+from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.speculative.sources import ScriptedSource
-from tests.spec_pairs import engine_for, make_pair, prompts
+from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
 
 BLOCK = 6
 
@@ -145,3 +147,22 @@ def test_cli_reports_a_pool_too_small_in_one_line(pair):
                                     "--json"], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert len(json.loads(ok.stdout)["token_ids"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE == "cpu" and not isinstance(paged_attention_kernel, InterpretedFunction),
+                    reason="the Triton route on CPU needs TRITON_INTERPRET=1 before import")
+def test_triton_route_through_the_engine_equals_the_reference(pair):
+    """The fused kernel set (paged attention, verify route, commits, norms; interpreted on CPU) drives the
+    engine over pages of 4 positions: speculative rounds with accepted drafts and target-only decoding
+    give the reference route's greedy output."""
+    batch = prompts(96, [5, 9], seed=1)
+    config = dict(max_slots=2, max_model_len=48, page_size=4)
+    want = greedy(engine_for(pair[0], kernels="reference", **config), batch, new=10)
+    source = ScriptedSource({tuple(p): out for p, out in zip(batch, want)}, BLOCK, 96, corrupt=0.2, seed=3)
+    for draft_source in (None, source):
+        engine = engine_for(pair[0], kernels="triton", draft_source=draft_source, **config)
+        done, _ = engine.generate(batch, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        assert [c.token_ids for c in done] == want
+        if draft_source is not None:
+            assert max(n for c in done for n in c.accepted_lengths) > 2

@@ -166,3 +166,35 @@ def test_triton_route_through_the_engine_equals_the_reference(pair):
         assert [c.token_ids for c in done] == want
         if draft_source is not None:
             assert max(n for c in done for n in c.accepted_lengths) > 2
+
+
+def test_every_row_a_round_writes_lands_in_its_own_pages(pair):
+    """Two slots reused by six sequences of different lengths, rounds where some lanes verify fewer rows
+    than the block: whenever the runner executes a plan, each slot's table maps exactly the pages it holds
+    (the rest point at the sink, so a stale entry of a reused slot reaches nobody's page) and those pages
+    cover every position the round writes for its lanes; outputs equal solo runs."""
+    batch = prompts(96, [4, 9, 2, 7, 5, 3], seed=8)
+    news = [3, 17, 5, 11, 2, 9]
+    solo = [greedy(engine_for(pair[0], max_slots=1, max_model_len=64, page_size=2), [p], new=n)[0]
+            for p, n in zip(batch, news)]
+    source = ScriptedSource({tuple(p): out for p, out in zip(batch, solo)}, BLOCK, 96, corrupt=0.1, seed=2)
+    engine = engine_for(pair[0], draft_source=source, max_slots=2, max_model_len=64, page_size=2)
+    execute, checked = engine.runner.execute, []
+
+    def checking(plan):
+        engine.runner.map_pages(plan)
+        tables, pages = engine.pool.tables.tables.cpu(), engine.scheduler.pages
+        for slot in range(engine.config.max_slots):
+            held = pages.held[slot]
+            assert tables[slot, :len(held)].tolist() == held
+            assert (tables[slot, len(held):] == engine.pool.tables.sink_page).all()
+        reach = engine.scheduler.reach(list(plan.widths)) if plan.decode else 0
+        for seq in plan.decode:
+            assert len(pages.held[seq.slot]) * 2 >= seq.position + reach
+        checked.append(len(plan.decode))
+        return execute(plan)
+
+    engine.runner.execute = checking
+    done, _ = engine.generate(batch, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news])
+    assert [c.token_ids for c in done] == solo
+    assert max(checked) == 2 and all_free(engine)

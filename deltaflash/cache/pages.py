@@ -116,6 +116,12 @@ class BlockTables:
             slot, index, page = to_device(list(zip(*grants)), self.tables.device).unbind(0)
             self.tables[slot, index] = page.int()
 
+    def unmap(self, slots: Sequence[int]) -> None:
+        """Point every entry of `slots` at the sink (their pages were given back): no stale entry of a
+        reused slot can reach a page that another sequence holds now. No sync."""
+        if slots and not self.static:
+            self.tables[to_device(list(slots), self.tables.device)] = self.sink_page
+
     def rows(self, slot_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Storage rows (page * page_size + offset) of positions [L, T] of lanes slot_ids [L]; the sink's
         first row for padding lanes (slot -1) and where keep [L, T] is False. No host sync."""

@@ -146,6 +146,7 @@ class Engine:
         events = [StepEvent(seq.request_id, (), "cancelled") for seq in plan.cancelled]
         self.stats["preemptions"] += len(plan.preempted)
         if not plan.runs_anything:
+            self.runner.map_pages(plan)
             return events
         result = self.runner.execute(plan)
         self._apply(plan, result, events)

@@ -183,8 +183,14 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def map_pages(self, plan: StepPlan) -> None:
+        """The plan's page changes on the device: released slots' entries to the sink, then the grants."""
+        self.pool.tables.unmap(plan.released)
         self.pool.tables.map(plan.pages)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.map_pages(plan)
         for seq in plan.admitted:
             self.pool.reset(seq.slot)
             if self.source is not None:

@@ -40,7 +40,9 @@ class StepPlan:
     admitted: sequences given a slot this step (the runner resets those slots first).
     cancelled: sequences retired before the step (their slots and pages are free again).
     preempted: sequences sent back to the queue this step to free pages (slot and pages given back).
-    pages: (slot, table index, page) entries granted this step (the runner maps them first).
+    released: slots whose pages were given back since the last plan (the runner points their table
+        entries at the sink first, so no stale entry can reach a page another sequence now holds).
+    pages: (slot, table index, page) entries granted this step (the runner maps them after that).
     prefill: prompt chunks, in order. decode: the round's lanes; widths[i]: rows lane i verifies
     (1 + drafts it may accept); round_width: rows per lane of the verify forward (max of widths,
     rounded up to a width that has a CUDA graph: 1 or the block size W).
@@ -49,6 +51,7 @@ class StepPlan:
     admitted: tuple[Sequence, ...] = ()
     cancelled: tuple[Sequence, ...] = ()
     preempted: tuple[Sequence, ...] = ()
+    released: tuple[int, ...] = ()
     pages: tuple[tuple[int, int, int], ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Sequence, ...] = ()
@@ -70,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admission order
         self.preemptions = 0
+        self._released: list[int] = []  # slots whose pages went back since the last plan
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -94,13 +98,14 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             self.pages.release(seq.slot)
+            self._released.append(seq.slot)
             self.slots.give_back(seq.slot)
             seq.slot = -1
 
     def schedule(self) -> StepPlan:
         cancelled = self._retire_cancelled()
-        decode, widths, preempted = self._make_room()
-        grants = [g for seq, w in zip(decode, widths) for g in self.pages.grow(seq.slot, seq.position + w)]
+        decode, widths, reach, preempted = self._make_room()
+        grants = [g for seq in decode for g in self.pages.grow(seq.slot, seq.position + reach)]
         admitted = []
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
             seq = self.waiting[0]
@@ -112,24 +117,36 @@ class Scheduler:
             grants += self.pages.grow(seq.slot, len(seq.prefill_ids))
             self.running[seq.request_id] = seq
             admitted.append(seq)
+        released, self._released = tuple(self._released), []
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
-                        pages=tuple(grants), prefill=tuple(self._prefill_chunks()), decode=tuple(decode),
-                        widths=tuple(widths), round_width=self.config.block_size if any(w > 1 for w in widths) else 1)
+                        released=released, pages=tuple(grants), prefill=tuple(self._prefill_chunks()),
+                        decode=tuple(decode), widths=tuple(widths), round_width=self.round_width(widths))
 
     def width(self, seq: Sequence) -> int:
         """Rows the sequence verifies this round: the block, or fewer when fewer tokens are left."""
         return max(1, min(self.config.block_size, seq.remaining))
 
-    def _make_room(self) -> tuple[list[Sequence], list[int], list[Sequence]]:
-        """The round's lanes and widths, after preempting the most recently admitted sequences until the
-        pages every lane's rows reach are free (prefilling sequences took theirs at admission)."""
+    def round_width(self, widths: list[int]) -> int:
+        """Rows per lane of the round's verify forward: the block if any lane speculates, else 1."""
+        return self.config.block_size if any(w > 1 for w in widths) else 1
+
+    def reach(self, widths: list[int]) -> int:
+        """Positions past its committed length that the round writes for every lane (whatever its own
+        width): the verify rows, and the drafter's block when the round drafts."""
+        rows = self.round_width(widths)
+        return max(rows, self.config.block_size) if rows > 1 else 1
+
+    def _make_room(self) -> tuple[list[Sequence], list[int], int, list[Sequence]]:
+        """The round's lanes, widths and reach, after preempting the most recently admitted sequences
+        until the pages every lane's rows reach are free (prefilling sequences took theirs at admission)."""
         preempted = []
         while True:
             decode = [s for s in self.running.values() if s.status is Status.DECODING]
             widths = [self.width(s) for s in decode]
-            need = sum(self.pages.missing(s.slot, s.position + w) for s, w in zip(decode, widths))
+            reach = self.reach(widths)
+            need = sum(self.pages.missing(s.slot, s.position + reach) for s in decode)
             if need <= self.pages.num_free:
-                return decode, widths, preempted
+                return decode, widths, reach, preempted
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
             preempted.append(victim)

@@ -5,7 +5,8 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx. LIMIT_<STEP>=seconds
+# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx
+# treeround treedemo. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `first` starts `deltaflash serve` (bundled pair) and times its start-up and first ten requests.
@@ -61,6 +62,14 @@ for step in "$@"; do
                      run longctx 300 python3 -m deltaflash bench round --lanes 16 --routes fused --rounds 4 \
                          --prompt-len $ctx --max-model-len $(( ctx + 256 )) --json "$OUT/long-$ctx.json"
                  done ;;
+        treeround) for budget in 0 16; do  # a tree round against a chain round of the same 16 rows
+                       run treeround 150 python3 -m deltaflash bench round --lanes 1 16 --routes fused --rounds 6 \
+                           --tree-budget $budget --json "$OUT/round-tree$budget.json"
+                   done ;;
+        treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees
+                      run treedemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
+                          --tree-budget $budget --no-profile --out "$OUT/tree$budget" --quiet
+                  done ;;
         *) echo "unknown step $step" | tee -a "$LOG" ;;
     esac
 done

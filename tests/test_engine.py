@@ -110,12 +110,13 @@ class SyncCounter:
         return counted
 
 
-@pytest.mark.parametrize("name", ["dflash", "dflash2", "moe"])
-def test_a_round_reads_the_device_once(pairs, name, monkeypatch):
-    """Drafting, verify, acceptance of greedy and sampled lanes (top-k / top-p included), commit and
-    the new draft context: one read of the results, whatever the lanes want."""
+@pytest.mark.parametrize("name,tree_budget", [("dflash", 0), ("dflash2", 0), ("moe", 0), ("dflash", 12),
+                                               ("dflash2", 12)])
+def test_a_round_reads_the_device_once(pairs, name, tree_budget, monkeypatch):
+    """Drafting (a chain or a tree), verify, acceptance of greedy and sampled lanes (top-k / top-p
+    included), commit and the new draft context: one read of the results, whatever the lanes want."""
     target_dir, draft_dir = pairs[name]
-    engine = engine_for(target_dir, draft_dir)
+    engine = engine_for(target_dir, draft_dir, tree_budget=tree_budget)
     vocab = engine.cfg.vocab_size
     params = [GREEDY, SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.8, top_k=9, seed=3, ignore_eos=True),
               SamplingParams(max_new_tokens=30, temperature=1.2, seed=4, ignore_eos=True)]

@@ -118,7 +118,7 @@ def test_sampling_is_reproducible_per_seed(dense_folder):
 
 def test_verify_ancestor_mask_follows_every_parent_chain():
     """Verify rows see exactly their root path inside the block (trees, chains, width 1)."""
-    from deltaflash.models.qwen3_5 import _ancestor_mask
+    from deltaflash.core.batch import ancestor_mask
 
     def walked(parents):
         L, W = parents.shape
@@ -137,7 +137,7 @@ def test_verify_ancestor_mask_follows_every_parent_chain():
                             for _ in range(3)])
         chain = (torch.arange(W) - 1)[None]
         for parents in (tree, chain):
-            assert torch.equal(_ancestor_mask(parents), walked(parents))
+            assert torch.equal(ancestor_mask(parents), walked(parents))
 
 
 def test_extend_batch_packs_live_rows_once():

@@ -82,16 +82,19 @@ def _demo_workload(args, max_slots: int) -> Workload:
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
-                          block_size=args.block_size)
+                          block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
 
     def engine(mode: str, profile: bool = False) -> Engine:
-        engine_cfg = dataclasses.replace(config, sync_phase_timing=profile, block_size=config.block_size * (mode == "spec"))
+        spec = mode == "spec"
+        engine_cfg = dataclasses.replace(config, sync_phase_timing=profile, block_size=config.block_size * spec,
+                                         tree_budget=config.tree_budget * spec)
         return Engine(model, tokenizer, drafter if mode == "spec" else None, engine_cfg)
 
     return Workload("demo", f"demo pair ({target.name} + {draft.name}), held-out stdlib prompts", prompts,
                     SamplingParams(max_new_tokens=args.max_new_tokens), engine,
                     args.block_size or drafter.config.block_size,
-                    meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines})
+                    meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines,
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k})
 
 
 def _scripted_workload(args, max_slots: int) -> Workload:
@@ -112,6 +115,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     W = args.block_size or 16
     config = EngineConfig(max_slots=max_slots, max_model_len=args.prompt_len + args.max_new_tokens + 1,
                           prefill_chunk=4096)
+    spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
     # the script: the target's own greedy continuation of every prompt, recorded before any timing
     done, _ = Engine(model, None, None, config).generate(prompts, params)
@@ -121,7 +125,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
         engine_cfg = dataclasses.replace(config, sync_phase_timing=profile)
         if mode != "spec":
             return Engine(model, None, None, engine_cfg)
-        return Engine(model, None, None, engine_cfg,
+        return Engine(model, None, None, dataclasses.replace(spec_config, sync_phase_timing=profile),
                       draft_source=ScriptedSource(scripts, W, cfg.vocab_size, corrupt, args.seed))
 
     _, read_bytes = weight_bytes(model)
@@ -130,6 +134,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     label = f"scripted drafter (target's greedy continuation, {corrupt:.1%} corrupted, expected tau {tau:.2f}), {shape}"
     return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
                     meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
                           "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth})
 
 
@@ -242,6 +247,7 @@ def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, ba
                 bar.update()
         compare(points[-2:], outputs[(c, "spec")], outputs[(c, "target-only")])
     return {"workload": workload.name, "label": workload.label, "block_size": workload.block_size,
+            "tree_budget": workload.meta.get("tree_budget", 0),
             "max_new_tokens": workload.params.max_new_tokens, "prompts": len(workload.prompts),
             "meta": workload.meta, "points": points, "figures": figures(points, workload)}
 
@@ -314,6 +320,8 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="demo: target folder; scripted: a checkpoint instead of the 9B shape")
     p.add_argument("--draft", default=None, help="demo: drafter folder (default: the bundled drafter)")
     p.add_argument("--block-size", type=int, default=0, help="W (default: the drafter's; scripted: 16)")
+    p.add_argument("--tree-budget", type=int, default=0, help="speculate with draft trees of N nodes (0: chains)")
+    p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

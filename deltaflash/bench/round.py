@@ -15,12 +15,14 @@ from deltaflash.models.random_init import qwen35_9b_config, random_model, weight
 from deltaflash.speculative.sources import ScriptedSource
 
 
-def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int, kernels: str = "auto") -> Engine:
-    """An engine with `lanes` sequences past prefill, drafting from a (random) script."""
+def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int, kernels: str = "auto",
+                    tree_budget: int = 0) -> Engine:
+    """An engine with `lanes` sequences past prefill, drafting from a (random) script (trees of
+    `tree_budget` nodes when given)."""
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
     engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, prefill_chunk=4096,
-                                                    kernels=kernels), draft_source=source)
+                                                    kernels=kernels, tree_budget=tree_budget), draft_source=source)
     gen = torch.Generator().manual_seed(lanes)
     for _ in range(lanes):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -64,17 +66,20 @@ def run(args) -> dict:
     for lanes in args.lanes:
         row = {"lanes": lanes}
         for name, kernels in [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]:
-            engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len, kernels)
+            engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len, kernels,
+                                     args.tree_budget)
             graphs = engine.config.cuda_graphs
             pages = engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)
             inputs = verify_inputs(engine)
-            row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
+            if not args.tree_budget:  # (a tree round's verify needs a tree: timed inside the round)
+                row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
             row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
             engine = None  # free its pool before the next engine
             torch.cuda.empty_cache()
         row["weight_read_ms"] = limit
         if "fused" in args.routes:
-            row["verify/limit"] = row["fused_verify_ms"] / limit
+            if not args.tree_budget:
+                row["verify/limit"] = row["fused_verify_ms"] / limit
             row["round/limit"] = row["fused_round_ms"] / limit
         if len(args.routes) == 2:
             row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
@@ -96,6 +101,7 @@ def register(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--tree-budget", type=int, default=0, help="rounds verify draft trees of N nodes (0: chains of W)")
     p.add_argument("--routes", nargs="+", choices=["fused", "unfused"], default=["fused", "unfused"],
                    help="kernel sets to time (the unfused reference gathers whole tables inside CUDA graphs: slow "
                         "at long max_model_len)")

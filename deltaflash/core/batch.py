@@ -176,3 +176,15 @@ class CommitPlan:
         return cls(slot_ids=slot_ids, accepted_nodes=torch.arange(width, device=device).expand(L, width).contiguous(),
                    accepted_len=to_device(list(accepted_len_host), device), slot_ids_host=tuple(slot_ids_host),
                    accepted_len_host=tuple(accepted_len_host), start_host=tuple(start_host), chain_host=True)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [L, W] -> [L, W, W] bool, [l, n, m] = m is n or an ancestor of n. Reachability by
+    squaring: after i squarings, paths of up to 2^i parent steps are in (log2 W small launches)."""
+    L, W = parents.shape
+    nodes = torch.arange(W, device=parents.device)
+    reach = (parents[..., None] == nodes) | (nodes[:, None] == nodes)  # [l, n, m]: m is n or n's parent
+    reach = reach.float()
+    for _ in range(max(W - 1, 1).bit_length()):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)  # counts of 0/1 paths: exact in fp32
+    return reach > 0

@@ -50,6 +50,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    tree_budget: int | None = None  # nodes of this request's draft trees (at most the engine's); None: the engine's
 
     @property
     def penalized(self) -> bool:
@@ -85,6 +86,8 @@ class SamplingParams:
             raise RequestError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.tree_budget is not None and not 1 <= self.tree_budget <= 64:
+            raise RequestError(f"tree_budget must be in [1, 64], got {self.tree_budget}")
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             raise RequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}")
 

@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint folder of the target (default: the bundled demo pair)")
     p.add_argument("--draft", help="DFlash / DFlash2 drafter folder (enables speculative decoding)")
     p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
+    p.add_argument("--tree-budget", type=int, default=0,
+                   help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
+    p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
@@ -51,9 +54,11 @@ def parse_bytes(text: str) -> int:
 def check_engine_flags(args) -> None:
     """The ranges of the engine flags (before anything loads)."""
     for name, value, low in (("--max-model-len", args.max_model_len, 2), ("--block-size", args.block_size, 0),
-                             ("--page-size", args.page_size, 1)):
+                             ("--page-size", args.page_size, 1), ("--tree-top-k", args.tree_top_k, 1)):
         if value is not None and value < low:
             raise DeltaflashError(f"{name} must be >= {low}, got {value}")
+    if args.tree_budget and not 2 <= args.tree_budget <= 64:
+        raise DeltaflashError(f"--tree-budget must be 0 or in [2, 64], got {args.tree_budget}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise DeltaflashError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
@@ -76,6 +81,8 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
         raise DeltaflashError(f"--draft {args.draft}: no config.json there (give a DFlash drafter folder)")
     if args.block_size and args.draft is None:
         raise DeltaflashError("--block-size needs --draft (a drafter to speculate with)")
+    if args.tree_budget and args.draft is None:
+        raise DeltaflashError("--tree-budget needs --draft (a drafter to speculate with)")
     if args.device is not None:
         try:
             device = torch.device(args.device)
@@ -87,4 +94,5 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
     return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
                                   max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
                                   page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                                  tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                   gpu_memory_utilization=args.gpu_memory_utilization, **config)

@@ -38,6 +38,9 @@ class EngineConfig:
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
     gpu_memory_utilization: fraction of the device's memory the engine may use in all (CUDA).
+    tree_budget: 0 = speculate with the drafter's top-1 chain; N >= 2 = with trees of N nodes (the anchor
+        included) built from the block's per-depth candidates (speculative/tree.py), N rows per lane.
+    tree_top_k: candidates per depth a tree may branch into.
     block_size: W, rows a speculating lane verifies; 0 = the drafter's own; resolved to 1 without a drafter.
     kernels: "triton" (fused kernels) or "reference" (pure torch); "auto" = triton on CUDA unless
         DELTAFLASH_NO_FUSED_KERNELS=1, reference on CPU.
@@ -52,6 +55,8 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    tree_budget: int = 0
+    tree_top_k: int = 4
     block_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool | None = None
@@ -88,14 +93,31 @@ class EngineConfig:
             block = self.block_size or drafter_block
             if block < 2:
                 raise DeltaflashError(f"block size must be >= 2 to speculate, got {block}")
+        if self.tree_budget:
+            from deltaflash.speculative.tree import max_nodes
+
+            if block < 2:
+                raise DeltaflashError(f"tree_budget {self.tree_budget} needs a drafter (--draft)")
+            if not 2 <= self.tree_budget <= 64 or self.tree_top_k < 1:
+                raise DeltaflashError(f"tree_budget must be 0 or in [2, 64] and tree_top_k >= 1, got "
+                                      f"{self.tree_budget} and {self.tree_top_k}")
+            if self.tree_budget > max_nodes(block - 1, self.tree_top_k, self.tree_budget):
+                raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
+                                      f"{self.tree_top_k} candidates")
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block,
                                    max_model_len=self.max_model_len or model_max_len)
+
+    @property
+    def reach(self) -> int:
+        """Positions past its committed length one round may write for a sequence: the drafter's block
+        and the verify rows (a tree's nodes)."""
+        return max(self.block_size, self.tree_budget)
 
     def fit_to_pages(self, pool_tokens: int, given: bool) -> "EngineConfig":
         """This config with max_model_len at most what one sequence can hold in a pool of `pool_tokens`
         positions (a sequence's verify rows reach block_size - 1 past it). given: the user chose
         max_model_len, so a pool too small for it is an error rather than a lower default."""
-        room = pool_tokens - self.block_size
+        room = pool_tokens - self.reach
         if self.max_model_len <= room:
             return self
         if given or room < 2:

@@ -31,16 +31,19 @@ from deltaflash.speculative.grammar import lane_masks
 from deltaflash.speculative.logit_rules import LogitRules
 from deltaflash.speculative.sampling import LaneSampling
 from deltaflash.speculative.sources import DFlashSource, DraftSource
+from deltaflash.speculative.tree import DraftTree, accept_tree
 
 
 @dataclass(frozen=True)
 class Emitted:
     """What lanes produced, read to the host: accepted[i] drafts accepted by lane i, tokens[i] the
-    tokens it emits (accepted drafts, then the next token), logprobs[i] theirs (None: not asked for)."""
+    tokens it emits (accepted drafts, then the next token), logprobs[i] theirs (None: not asked for),
+    paths[i] (tree rounds) the nodes it accepted, the root first."""
 
     accepted: tuple[int, ...] = ()
     tokens: tuple[tuple[int, ...], ...] = ()
     logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
+    paths: tuple[tuple[int, ...], ...] | None = None  # tree rounds: each lane's accepted node path, the root first
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class _Round:
     start: Tensor
     out: VerifyOutput
     accepted: Accepted
+    tree: DraftTree | None = None
 
 
 class ModelRunner:
@@ -79,7 +83,7 @@ class ModelRunner:
         self.config = config = config.fit_to_pages(self.page_plan.tokens, max_model_len_given)
         W = config.block_size
         # verify rows of a sequence at its last position reach up to W - 1 positions further
-        capacity = config.max_model_len + W
+        capacity = config.max_model_len + config.reach
         self.pool = SlotPool(self.cfg, config.max_slots, capacity, self.dtype, self.device, config.page_size,
                              self.page_plan.num_pages)
         self.graphs = CudaGraphs(config.max_slots, self.device) if config.cuda_graphs else None
@@ -95,6 +99,11 @@ class ModelRunner:
             for w in self.widths:
                 inputs = ((w,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0)
                 self.verify_graphs[w] = self.graphs.add(f"verify W={w}", self._verify_rows, inputs)
+            if config.tree_budget:
+                N = config.tree_budget
+                inputs = ((N,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((N,), torch.long, -1), \
+                    ((N,), torch.long, 0)
+                self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
 
     # ---- the page pool ------------------------------------------------------------------------
     def _plan_pages(self, config: EngineConfig, drafter) -> PagePlan:
@@ -103,7 +112,7 @@ class ModelRunner:
         if drafter is not None:
             c = drafter.config
             per_token += DraftContextCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, drafter.dtype)
-        most = config.max_slots * pages_for(config.max_model_len + config.block_size, page_size)
+        most = config.max_slots * pages_for(config.max_model_len + config.reach, page_size)
         if config.kv_cache_memory is not None:
             budget, source = config.kv_cache_memory, "--kv-cache-memory"
         elif self.device.type != "cuda":
@@ -201,10 +210,11 @@ class ModelRunner:
         round_, marks = None, []
         if plan.decode:
             round_, marks = self._round(plan)
-        first_out, round_out = read_emitted([first, round_.accepted if round_ else None])  # the step's one sync
+        extras = (round_.tree.parents,) if round_ is not None and round_.tree is not None else ()
+        (first_out, round_out), parents = read_emitted([first, round_.accepted if round_ else None], extras)  # the one sync
         if round_ is not None:
             marks.append(self._now())
-            self._commit(plan, round_, round_out.accepted)
+            self._commit(plan, round_, round_out, parents[0] if parents else None)
             marks.append(self._now())
         phases = RoundPhases(*(b - a for a, b in zip([clock, *marks], marks))) if round_ else RoundPhases()
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
@@ -232,10 +242,22 @@ class ModelRunner:
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width
         slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
-        lanes = to_device([slots, starts, [s.pending for s in seqs], [w - 1 for w in plan.widths]], self.device)
-        slot_ids, start, anchors, n_draft = lanes  # one transfer, four [L] rows
+        # drafts a lane may accept: its width less one (a grammar lane speculates only in chains)
+        limits = [0 if plan.tree_budget and s.matcher is not None else w - 1 for s, w in zip(seqs, plan.widths)]
+        budgets = [min(s.params.tree_budget or W, W) for s in seqs]
+        lanes = to_device([slots, starts, [s.pending for s in seqs], limits, budgets], self.device)
+        slot_ids, start, anchors, n_draft, budget = lanes  # one transfer, five [L] rows
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
+        if plan.tree_budget and W > 1:
+            tree = self.source.draft_tree(seqs, slot_ids, anchors, start, W, self.config.tree_top_k).cut(budget)
+            marks = [self._now()]
+            out = self.verify(tree.tokens, slot_ids, start, max(starts) + W, tree)
+            marks.append(self._now())
+            rules = self._rules(seqs, None, W)
+            logits = out.logits if rules is None else rules.apply(out.logits, None, tree)
+            accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=out.logits)
+            return _Round(slot_ids, start, out, accepted, tree), marks
         drafts, draft_q = anchors[:, None][:, :0], None
         if W > 1:
             drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)
@@ -251,47 +273,67 @@ class ModelRunner:
         a second host read, paid only by rounds with such a lane."""
         masks = None
         grammar = [s.matcher for s in seqs if s.matcher is not None]
-        if grammar:
-            host = drafts.tolist() if width > 1 else None
+        if grammar:  # a tree round (drafts None) masks only row 0: grammar lanes accept no draft there
+            host = drafts.tolist() if width > 1 and drafts is not None else None
             masks = to_device(lane_masks(seqs, host, width, grammar[0].words), self.device)
         return LogitRules.build(seqs, self.cfg.vocab_size, self.device, masks)
 
-    def _commit(self, plan: StepPlan, round_: _Round, accepted: tuple[int, ...]) -> None:
-        """Commit each lane's anchor and accepted drafts; they become draft context too."""
-        W = plan.round_width
+    def _commit(self, plan: StepPlan, round_: _Round, emitted: Emitted, parents: list[int] | None) -> None:
+        """Commit each lane's anchor and accepted drafts (a tree round: the accepted path's nodes, read
+        with the results, as are the trees' parents for the plan's validation); they become draft context."""
+        W, L = plan.round_width, len(plan.decode)
         n_rows = round_.accepted.counts + 1
-        commit_plan = CommitPlan(
-            slot_ids=round_.slot_ids, accepted_nodes=torch.arange(W, device=self.device).expand(len(accepted), W).contiguous(),
-            accepted_len=n_rows, slot_ids_host=tuple(s.slot for s in plan.decode),
-            accepted_len_host=tuple(n + 1 for n in accepted), start_host=tuple(s.position for s in plan.decode),
-            chain_host=True)
+        host = dict(slot_ids_host=tuple(s.slot for s in plan.decode), accepted_len_host=tuple(n + 1 for n in emitted.accepted),
+                    start_host=tuple(s.position for s in plan.decode))
+        path = round_.accepted.path
+        if path is None:
+            nodes = torch.arange(W, device=self.device).expand(L, W).contiguous()
+            commit_plan = CommitPlan(slot_ids=round_.slot_ids, accepted_nodes=nodes, accepted_len=n_rows,
+                                     chain_host=True, **host)
+        else:
+            nodes = torch.zeros(L, W, dtype=torch.long, device=self.device)
+            nodes[:, :path.shape[1]] = path
+            commit_plan = CommitPlan(slot_ids=round_.slot_ids, accepted_nodes=nodes, accepted_len=n_rows,
+                                     accepted_nodes_host=emitted.paths,
+                                     parents_host=tuple(tuple(parents[i * W:(i + 1) * W]) for i in range(L)), **host)
         commit(self.pool, commit_plan, round_.out, self.kernels)
         if self.source is not None and round_.out.taps is not None:
-            rows = torch.arange(W, device=self.device)
+            taps = round_.out.taps
+            if path is not None:  # the accepted path's rows, in token order
+                taps = taps[torch.arange(L, device=self.device)[:, None], path]
+            rows = torch.arange(taps.shape[1], device=self.device)
             kept = torch.where(rows[None] < n_rows[:, None], round_.slot_ids[:, None], -1)
-            self.source.append(kept, round_.start[:, None] + rows, round_.out.taps)
+            self.source.append(kept, round_.start[:, None] + rows, taps)
 
     # ---- the verify forward -------------------------------------------------------------------
-    def verify(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int) -> VerifyOutput:
-        """Chains input_ids [L, W] of lanes slot_ids [L] from positions start [L]: from the lane bucket's
-        CUDA graph when one fits, else eagerly reading `kmax` cache rows."""
-        graphs = self.verify_graphs.get(input_ids.shape[1])
-        out = graphs.run(input_ids, slot_ids, start) if graphs is not None else None
+    def verify(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int,
+               tree: DraftTree | None = None) -> VerifyOutput:
+        """Rows input_ids [L, W] of lanes slot_ids [L] from positions start [L] - chains, or the nodes of
+        `tree` - from the CUDA graph of the lane bucket when one fits, else eagerly reading `kmax` positions."""
+        W = input_ids.shape[1]
+        if tree is None:
+            graphs, inputs = self.verify_graphs.get(W), (input_ids, slot_ids, start)
+        else:
+            graphs, inputs = self.verify_graphs.get(("tree", W)), (input_ids, slot_ids, start, tree.parents, tree.depth)
+        out = graphs.run(*inputs) if graphs is not None else None
         if out is None:
-            out = self._verify_rows(input_ids, slot_ids, start, kmax)
+            out = self._verify_rows(*inputs, kmax=kmax)
         logits, taps, windows, log = out
         return VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1),
                             replay_log=log.movedim(0, 1))
 
-    def _verify_rows(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int | None = None):
-        """Chains of W rows per lane -> (logits [L, W, V], taps [L, W, n*H] or None, conv windows
-        [L, G, C, K-1+W], replay log [L, G, W, nv, 1+dk+dv]): lanes first, as the graphs slice them.
-        kmax None: attention reads the whole cache capacity (a fixed shape, for the graphs)."""
+    def _verify_rows(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, parents: Tensor | None = None,
+                     depth: Tensor | None = None, kmax: int | None = None):
+        """W rows per lane - chains, or trees of parents / depth [L, W] - -> (logits [L, W, V], taps
+        [L, W, n*H] or None, conv windows [L, G, C, K-1+W], replay log [L, G, W, nv, 1+dk+dv]): lanes
+        first, as the graphs slice them. kmax None: attention reads whole tables (a fixed shape, for the graphs)."""
         L, W = input_ids.shape
         nodes = torch.arange(W, device=self.device)
-        batch = VerifyBatch(input_ids=input_ids, parents=(nodes - 1).expand(L, W).contiguous(),
-                            positions=start[:, None] + nodes, slot_ids=slot_ids, start=start,
-                            slot_ids_host=(), start_host=(), chain_host=True)
+        chain = parents is None
+        if chain:
+            parents, depth = (nodes - 1).expand(L, W).contiguous(), nodes.expand(L, W)
+        batch = VerifyBatch(input_ids=input_ids, parents=parents, positions=start[:, None] + depth, slot_ids=slot_ids,
+                            start=start, slot_ids_host=(), start_host=(), chain_host=chain)
         out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax)
         return out.logits, out.taps, out.conv_windows.movedim(1, 0), out.replay_log.movedim(1, 0)
 
@@ -307,39 +349,42 @@ def top_logprobs(seqs) -> int | None:
     return max(asked) if asked else None
 
 
-def read_emitted(results: list[Accepted | None]) -> list[Emitted]:
-    """Every result of the step in one device -> host read (the step's one sync): ints alone when no
-    logprobs are asked for, else everything as float64 (exact for token ids)."""
-    parts, shapes = [], []
-    for acc in results:
-        fields = () if acc is None else tuple(t for t in (acc.counts, acc.tokens, acc.top_ids, acc.logprobs,
-                                                         acc.top_logprobs) if t is not None)
-        parts += [t.flatten() for t in fields]
-        shapes.append([t.shape for t in fields])
+def read_emitted(results: list[Accepted | None], extras: tuple[Tensor, ...] = ()) -> tuple[list[Emitted], list]:
+    """Every result of the step, and `extras` (tensors the host needs too: a tree round's parents), in
+    one device -> host read (the step's one sync): ints alone when no logprobs are asked for, else
+    everything as float64 (exact for token ids). Returns (the results' Emitted, the extras as lists)."""
+    names = ("counts", "tokens", "path", "top_ids", "logprobs", "top_logprobs")
+    fields = [{n: getattr(acc, n) for n in names if getattr(acc, n) is not None} if acc is not None else {}
+              for acc in results]
+    parts = [t for f in fields for t in f.values()] + list(extras)
     if not parts:
-        return [Emitted() for _ in results]
+        return [Emitted() for _ in results], []
     floats = any(p.is_floating_point() for p in parts)
-    host = torch.cat([p.double() for p in parts] if floats else parts).tolist()
-    out, at = [], 0
-    for acc, field_shapes in zip(results, shapes):
+    flat = torch.cat([p.flatten().double() if floats else p.flatten() for p in parts]).tolist()
+    host, at = [], 0
+    for t in parts:
+        host.append(flat[at:at + t.numel()])
+        at += t.numel()
+    values = iter(host)
+    out = []
+    for acc, named in zip(results, fields):
         if acc is None:
             out.append(Emitted())
             continue
-        values = []
-        for shape in field_shapes:
-            n = shape.numel()
-            values.append(host[at:at + n])
-            at += n
-        counts = [int(c) for c in values[0]]
+        got = {n: next(values) for n in named}
+        counts = [int(c) for c in got["counts"]]
         L, W = acc.tokens.shape
-        tokens = tuple(tuple(int(t) for t in values[1][i * W:i * W + c + 1]) for i, c in enumerate(counts))
+        tokens = tuple(tuple(int(t) for t in got["tokens"][i * W:i * W + c + 1]) for i, c in enumerate(counts))
+        paths = None
+        if acc.path is not None:
+            paths = tuple(tuple(int(n) for n in got["path"][i * W:i * W + c + 1]) for i, c in enumerate(counts))
         logprobs = (None,) * L
         if acc.logprobs is not None:
             k = 0 if acc.top_ids is None else acc.top_ids.shape[-1]
-            top_ids = values[2] if k else []
-            lps, top_lps = values[-2 if k else -1], values[-1] if k else []
+            lps, top_ids, top_lps = got["logprobs"], got.get("top_ids", []), got.get("top_logprobs", [])
             logprobs = tuple(tuple(TokenLogprob(t, lps[i * W + n], tuple(
                 (int(top_ids[(i * W + n) * k + j]), top_lps[(i * W + n) * k + j]) for j in range(k)))
                 for n, t in enumerate(tokens[i])) for i in range(L))
-        out.append(Emitted(tuple(counts), tokens, logprobs))
-    return out
+        out.append(Emitted(tuple(counts), tokens, logprobs, paths))
+    extra_lists = [[int(v) for v in next(values)] for _ in extras]
+    return out, extra_lists

@@ -43,9 +43,10 @@ class StepPlan:
     released: slots whose pages were given back since the last plan (the runner points their table
         entries at the sink first, so no stale entry can reach a page another sequence now holds).
     pages: (slot, table index, page) entries granted this step (the runner maps them after that).
-    prefill: prompt chunks, in order. decode: the round's lanes; widths[i]: rows lane i verifies
-    (1 + drafts it may accept); round_width: rows per lane of the verify forward (max of widths,
-    rounded up to a width that has a CUDA graph: 1 or the block size W).
+    prefill: prompt chunks, in order. decode: the round's lanes; widths[i]: 1 + the drafts lane i may
+    accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
+    the tree's nodes: each has a CUDA graph); tree_budget: the round verifies trees of that many nodes
+    (0: chains).
     """
 
     admitted: tuple[Sequence, ...] = ()
@@ -57,6 +58,7 @@ class StepPlan:
     decode: tuple[Sequence, ...] = ()
     widths: tuple[int, ...] = ()
     round_width: int = 1
+    tree_budget: int = 0
 
     @property
     def runs_anything(self) -> bool:
@@ -120,15 +122,18 @@ class Scheduler:
         released, self._released = tuple(self._released), []
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=tuple(self._prefill_chunks()),
-                        decode=tuple(decode), widths=tuple(widths), round_width=self.round_width(widths))
+                        decode=tuple(decode), widths=tuple(widths), round_width=self.round_width(widths),
+                        tree_budget=self.config.tree_budget if self.round_width(widths) > 1 else 0)
 
     def width(self, seq: Sequence) -> int:
         """Rows the sequence verifies this round: the block, or fewer when fewer tokens are left."""
         return max(1, min(self.config.block_size, seq.remaining))
 
     def round_width(self, widths: list[int]) -> int:
-        """Rows per lane of the round's verify forward: the block if any lane speculates, else 1."""
-        return self.config.block_size if any(w > 1 for w in widths) else 1
+        """Rows per lane of the round's verify forward: the block (a tree's nodes) if any lane speculates, else 1."""
+        if not any(w > 1 for w in widths):
+            return 1
+        return self.config.tree_budget or self.config.block_size
 
     def reach(self, widths: list[int]) -> int:
         """Positions past its committed length that the round writes for every lane (whatever its own

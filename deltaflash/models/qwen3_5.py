@@ -13,7 +13,7 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput
+from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput, ancestor_mask
 from deltaflash.models.attention import AttentionRows, GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
 from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
@@ -119,7 +119,7 @@ class Qwen35Model(nn.Module):
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, store), slot_ids=batch.slot_ids,
                              context_lens=batch.start, n_rows=torch.full_like(batch.start, W),
                              mode="causal" if batch.chain_host else "tree",
-                             tree_mask=None if batch.chain_host else _ancestor_mask(batch.parents),
+                             tree_mask=None if batch.chain_host else ancestor_mask(batch.parents),
                              max_pages=pool.tables.pages_to_read(kmax))
 
         cfg = self.cfg
@@ -132,15 +132,3 @@ class Qwen35Model(nn.Module):
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
         return VerifyOutput(logits=self.logits(x, kernels), taps=taps, conv_windows=windows, replay_log=logs)
-
-
-def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents [L, W] -> [L, W, W] bool, [l, n, m] = m is n or an ancestor of n. Reachability by
-    squaring: after i squarings, paths of up to 2^i parent steps are in (log2 W small launches)."""
-    L, W = parents.shape
-    nodes = torch.arange(W, device=parents.device)
-    reach = (parents[..., None] == nodes) | (nodes[:, None] == nodes)  # [l, n, m]: m is n or n's parent
-    reach = reach.float()
-    for _ in range(max(W - 1, 1).bit_length()):
-        reach = torch.bmm(reach, reach).clamp_(max=1.0)  # counts of 0/1 paths: exact in fp32
-    return reach > 0

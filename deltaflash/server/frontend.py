@@ -145,7 +145,7 @@ class Frontend:
             stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, min_p=s.min_p,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias, min_tokens=s.min_tokens,
-            logprobs=s.logprobs, grammar=s.grammar)
+            logprobs=s.logprobs, grammar=s.grammar, tree_budget=s.tree_budget)
         try:
             params.validate()
         except RequestError as exc:

@@ -31,7 +31,7 @@ _COMMON = MappingProxyType({
     "n": None, "best_of": None, "logprobs": None, "presence_penalty": None, "frequency_penalty": None,
     "repetition_penalty": None, "logit_bias": None, "min_p": None, "min_tokens": None, "response_format": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None,
+    "structured_outputs": None, "tree_budget": None,
     "echo": (False,), "suffix": ("",), "store": (False,),
 })
 _COMPLETION_FIELDS = frozenset({*_COMMON, "prompt"})
@@ -79,6 +79,7 @@ class Sampling:
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
     grammar_param: str = ""
+    tree_budget: int | None = None  # deltaflash's extension: nodes of this request's draft trees
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,8 @@ def _request(fields: "_Fields", reader: "_Reader", chat: bool, prompts, messages
         frequency_penalty=fields.float("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=fields.float("repetition_penalty", 1.0, lo=0.0, lo_open=True, hi=10.0),
         logit_bias=_logit_bias(fields.body.get("logit_bias")), min_tokens=fields.int("min_tokens", 0, lo=0),
-        logprobs=logprobs, grammar=grammar, grammar_param=grammar_param)
+        logprobs=logprobs, grammar=grammar, grammar_param=grammar_param,
+        tree_budget=fields.int("tree_budget", lo=1, hi=64))
     decode = DecodeOptions(skip_special_tokens=fields.bool("skip_special_tokens", True),
                            spaces_between_special_tokens=fields.bool("spaces_between_special_tokens", True))
     return ApiRequest(chat=chat, model=_model(fields.body), prompts=prompts, messages=messages, sampling=sampling,

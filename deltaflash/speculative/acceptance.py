@@ -13,7 +13,7 @@ min_tokens, grammar), for that row's own history, so the rules hold with and wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -36,6 +36,7 @@ class Accepted:
     logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     top_logprobs: Tensor | None = None
+    path: Tensor | None = None  # trees (speculative/tree.py): [L, W] node ids, the root first; chains: None
 
 
 def accept(logits: Tensor, drafts: Tensor, draft_q: Tensor | None, n_draft: Tensor,
@@ -56,12 +57,17 @@ def accept(logits: Tensor, drafts: Tensor, draft_q: Tensor | None, n_draft: Tens
         counts = torch.where(sampling.greedy, counts, sampled_counts)
         next_token = torch.where(sampling.greedy, next_token, sampled_next)
     tokens = torch.cat([drafts, drafts.new_zeros(L, 1)], dim=1).scatter_(1, counts[:, None], next_token[:, None])
-    if top_logprobs is None:
-        return Accepted(counts=counts, tokens=tokens)
-    log_p = raw.float().log_softmax(dim=-1)
+    accepted = Accepted(counts=counts, tokens=tokens)
+    return accepted if top_logprobs is None else with_logprobs(accepted, raw, top_logprobs)
+
+
+def with_logprobs(accepted: Accepted, rows: Tensor, top_logprobs: int) -> Accepted:
+    """`accepted` with the logprobs of its tokens: rows [L, W, V] raw target logits, row n the one
+    tokens[:, n] was chosen at; k = top_logprobs most likely tokens per row (0: none)."""
+    log_p = rows.float().log_softmax(dim=-1)
     top = log_p.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
-    return Accepted(counts=counts, tokens=tokens, logprobs=log_p.gather(-1, tokens[..., None])[..., 0],
-                    top_ids=None if top is None else top.indices, top_logprobs=None if top is None else top.values)
+    return replace(accepted, logprobs=log_p.gather(-1, accepted.tokens[..., None])[..., 0],
+                   top_ids=None if top is None else top.indices, top_logprobs=None if top is None else top.values)
 
 
 def _rejection_sample(logits, drafts, draft_q, allowed, sampling: LaneSampling) -> tuple[Tensor, Tensor]:

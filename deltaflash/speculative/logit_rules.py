@@ -77,24 +77,29 @@ class LogitRules:
                                                   device)}
         return cls(**fields)
 
-    def apply(self, logits: Tensor, drafts: Tensor) -> Tensor:
-        """logits [L, W, V] raw target rows, drafts [L, W-1] -> [L, W, V] fp32 with the rules applied."""
+    def apply(self, logits: Tensor, drafts: Tensor, tree=None) -> Tensor:
+        """logits [L, W, V] raw target rows, drafts [L, W-1] (a chain) or tree (speculative/tree.py
+        DraftTree: row n follows the tokens of node n's path) -> [L, W, V] fp32 with the rules applied."""
         x = logits.float()
         L, W, V = x.shape
         if self.penalties is not None:
             counts = self.counts[:, None].expand(L, W, V)
             if W > 1:  # the drafts before a row count as generated tokens for it
                 added = torch.zeros(L, W, V, device=x.device)
-                added[:, 1:].scatter_(2, drafts[..., None], 1.0)
-                counts = counts + added.cumsum(dim=1)
+                if tree is None:
+                    added[:, 1:].scatter_(2, drafts[..., None], 1.0)
+                    counts = counts + added.cumsum(dim=1)
+                else:  # the tokens of the row's own path, the anchor (already output) excluded
+                    added.scatter_(2, tree.tokens[..., None], 1.0)
+                    counts = counts + torch.bmm(tree.ancestors()[:, :, 1:].float(), added[:, 1:])
             seen = self.seen[:, None] | (counts > 0)
             presence, frequency, repetition = (self.penalties[:, i].view(L, 1, 1) for i in range(3))
             x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
             x = x - frequency * counts - presence * (counts > 0)
         if self.bias is not None:
             x = x + self.bias[:, None]
-        if self.stop is not None:
-            rows = torch.arange(W, device=x.device).view(1, W, 1)
+        if self.stop is not None:  # tokens generated before row n: n in a chain, its depth in a tree
+            rows = torch.arange(W, device=x.device).view(1, W, 1) if tree is None else tree.depth[..., None]
             x = x.masked_fill(self.stop[:, None] & (rows < self.tokens_to_min.view(L, 1, 1)), float("-inf"))
         if self.grammar is not None:
             x = x.masked_fill(~unpack_bitmask(self.grammar, V), float("-inf"))

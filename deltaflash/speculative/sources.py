@@ -24,6 +24,7 @@ from deltaflash.core.request import Sequence as Seq
 from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import LaneSampling
+from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_children
 
 # (name, fn, per-lane input specs [(shape, dtype, padding value)]) -> an object whose `run(*inputs)`
 # replays fn from CUDA graphs (None when no graph fits), or None: the runner's graph factory
@@ -45,6 +46,10 @@ class DraftSource(Protocol):
               sampling: LaneSampling) -> tuple[Tensor, Tensor | None]:
         """(drafts [L, W-1] long, q [L, W-1, V] fp32 the drafts were drawn from, or None when the drafts
         are deterministic or every lane is greedy). Lanes past len(seqs) are padding (slot -1)."""
+
+    def draft_tree(self, seqs: Sequence[Seq], slot_ids: Tensor, anchors: Tensor, start: Tensor, budget: int,
+                   top_k: int) -> DraftTree:
+        """Trees of `budget` nodes over W-1 depths, top_k candidates per depth (speculative/tree.py)."""
 
 
 class DFlashSource:
@@ -92,12 +97,23 @@ class DFlashSource:
         return hidden, self.drafter.logits(hidden, self.lm_head_weight)
 
     def draft(self, seqs, slot_ids, anchors, start, sampling):
+        hidden, logits = self._block(seqs, slot_ids, anchors, start)
+        picked = choose_tokens(self.drafter, hidden, logits, torch.where(slot_ids < 0, 0, anchors), sampling)
+        return picked.tokens, full_vocab_probs(picked, logits.shape[-1])
+
+    def draft_tree(self, seqs, slot_ids, anchors, start, budget, top_k):
+        hidden, logits = self._block(seqs, slot_ids, anchors, start)
+        if self.drafter.config.variant == "dflash2":
+            children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)
+        else:
+            children = dflash_children(logits, top_k)
+        return build_tree(children, torch.where(slot_ids < 0, 0, anchors), self.block_size - 1, budget, top_k)
+
+    def _block(self, seqs, slot_ids, anchors, start) -> tuple[Tensor, Tensor]:
         out = self.block_graphs.run(slot_ids, anchors, start) if self.block_graphs is not None else None
         if out is None:  # host-known bound: read no more context rows than the longest lane has
             out = self._block_logits(slot_ids, anchors, start, max(seq.position for seq in seqs))
-        hidden, logits = out
-        picked = choose_tokens(self.drafter, hidden, logits, torch.where(slot_ids < 0, 0, anchors), sampling)
-        return picked.tokens, full_vocab_probs(picked, logits.shape[-1])
+        return out
 
 
 class ScriptedSource:
@@ -118,17 +134,38 @@ class ScriptedSource:
     def append(self, slot_ids, positions, taps) -> None:
         pass
 
-    def draft(self, seqs, slot_ids, anchors, start, sampling):
+    def draft_tree(self, seqs, slot_ids, anchors, start, budget, top_k):
+        """Trees whose rank-0 candidate at each depth is the script's token, except that with probability
+        `corrupt` a random token takes rank 0 and the script's token rank 1 (the accepted path then leaves
+        the top-1 chain); the other candidates are random."""
+        L, depths = slot_ids.shape[0], self.block_size - 1
+        scores = torch.zeros(L, depths, self.vocab_size)
+        for lane, row in enumerate(self._script_rows(seqs, L, corrupt=0.0)):
+            for d, tok in enumerate(row):
+                decoy = self.rng.randrange(self.vocab_size)
+                first, second = (decoy, tok) if self.rng.random() < self.corrupt and decoy != tok else (tok, decoy)
+                scores[lane, d, second] = 6.0
+                scores[lane, d, first] = 8.0
+        logits = to_device(scores, slot_ids.device)
+        return build_tree(dflash_children(logits, top_k), torch.where(slot_ids < 0, 0, anchors), depths, budget, top_k)
+
+    def _script_rows(self, seqs, lanes: int, corrupt: float) -> list[list[int]]:
+        """Per lane the W-1 tokens after its pending one: the script's (random without one), each
+        replaced by a random token with probability `corrupt`."""
         rows = []
-        for lane in range(slot_ids.shape[0]):
+        for lane in range(lanes):
             seq = seqs[lane] if lane < len(seqs) else None
             script = self.scripts.get(tuple(seq.prompt_ids), []) if seq else []
             row = []
             for k in range(1, self.block_size):
                 i = (seq.position + k - len(seq.prompt_ids)) if seq else -1  # output index of the drafted token
                 tok = script[i] if 0 <= i < len(script) else self.rng.randrange(self.vocab_size)
-                if self.rng.random() < self.corrupt:
+                if self.rng.random() < corrupt:
                     tok = self.rng.randrange(self.vocab_size)
                 row.append(tok)
             rows.append(row)
-        return to_device(rows, slot_ids.device), None
+        return rows
+
+    def draft(self, seqs, slot_ids, anchors, start, sampling):
+        return to_device(self._script_rows(seqs, slot_ids.shape[0], self.corrupt), slot_ids.device), None
+

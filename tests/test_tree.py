@@ -1,0 +1,289 @@
+"""Tree speculation: trees built best-first from a DFlash block, verified in one forward, accepted along a
+root path (greedy: exact; sampling: lossless), committed by replaying the accepted path."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import deltaflash.engine.runner as runner_module
+from deltaflash.core.request import SamplingParams
+from deltaflash.errors import DeltaflashError
+from deltaflash.models.loader import load_model
+from deltaflash.speculative import tree as tree_module
+from deltaflash.speculative.acceptance import Accepted
+from deltaflash.speculative.draft import _select_candidates
+from deltaflash.speculative.sampling import LaneSampling
+from deltaflash.speculative.sources import ScriptedSource
+from deltaflash.speculative.tree import DraftTree, accept_tree, build_tree, dflash2_children, dflash_children
+from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.spec_pairs import engine_for, make_pair, prompts, save_drafter
+
+BLOCK = 6
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trees")
+    return {(kind, variant): make_pair(root, kind=kind, variant=variant, block_size=BLOCK)
+            for kind, variant in (("dense_gqa", "dflash"), ("dense_gqa", "dflash2"), ("moe", "dflash"))}
+
+
+def greedy(engine, batch, new=20, **params):
+    done, _ = engine.generate(batch, SamplingParams(max_new_tokens=new, ignore_eos=True, **params))
+    return done
+
+
+def record_off_chain(monkeypatch) -> list[int]:
+    """Counts, per tree round, the accepted nodes that are not their parent's best candidate."""
+    seen, real = [], tree_module.accept_tree
+
+    def recording(logits, tree, *args, **kwargs):
+        acc = real(logits, tree, *args, **kwargs)
+        steps = torch.arange(acc.path.shape[1])[None] <= acc.counts[:, None]
+        seen.append(int(((tree.rank.gather(1, acc.path) > 0) & steps).sum()))
+        return acc
+
+    monkeypatch.setattr(runner_module, "accept_tree", recording)
+    return seen
+
+
+# ---- the tree builder --------------------------------------------------------------------------------
+def test_tree_holds_the_best_nodes_by_path_score():
+    g = torch.Generator().manual_seed(0)
+    L, D, V, k = 3, 4, 11, 3
+    logits = torch.randn(L, D, V, generator=g) * 2
+    anchors = torch.tensor([1, 2, 3])
+    log_p, tokens = logits.log_softmax(-1).topk(k, -1)
+    for budget in (2, 9, 30):
+        tree = build_tree(dflash_children(logits, k), anchors, D, budget, k)
+        assert tree.tokens.shape == (L, budget) and (tree.tokens[:, 0] == anchors).all()
+        for lane in range(L):
+            scored = sorted(((sum(log_p[lane, d, r].item() for d, r in enumerate(ranks)), ranks)
+                             for depth in range(1, D + 1) for ranks in itertools.product(range(k), repeat=depth)),
+                            reverse=True)
+            paths = set()
+            for n in range(1, budget):
+                assert 0 <= tree.parents[lane, n] < n and tree.depth[lane, n] == tree.depth[lane, tree.parents[lane, n]] + 1
+                assert tree.tokens[lane, n] == tokens[lane, tree.depth[lane, n] - 1, tree.rank[lane, n]]
+                ranks, m = [], n
+                while m > 0:
+                    ranks.append(int(tree.rank[lane, m]))
+                    m = int(tree.parents[lane, m])
+                paths.add(tuple(reversed(ranks)))
+            assert paths == {ranks for _, ranks in scored[:budget - 1]}
+        cuts = (1, min(4, budget), budget)
+        cut = tree.cut(torch.tensor(cuts))  # a lane's best b nodes form a tree too
+        for lane, b in enumerate(cuts):
+            assert int(cut.valid[lane].sum()) == b
+            kept = cut.valid[lane]
+            assert all(kept[tree.parents[lane, n]] for n in range(1, budget) if kept[n])
+
+
+def test_dflash2_tree_follows_the_selector_walk(pairs):
+    """The rank-0 path of a DFlash2 tree is the selector's own greedy walk (scores given the parent token)."""
+    from deltaflash.models.dflash import load_drafter
+
+    target, draft = pairs[("dense_gqa", "dflash2")]
+    cfg = load_model(target, device="cpu", progress=False).cfg
+    drafter = load_drafter(draft, target_hidden_size=cfg.hidden_size, target_vocab_size=cfg.vocab_size,
+                           target_num_layers=cfg.num_layers, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, BLOCK - 1, cfg.hidden_size, generator=g)
+    logits = 4 * torch.randn(2, BLOCK - 1, cfg.vocab_size, generator=g)  # peaked: the best path runs deep
+    anchors = torch.tensor([5, 7])
+    walk = _select_candidates(drafter, hidden, logits, anchors, LaneSampling.greedy_lanes(2, "cpu")).tokens
+    with torch.no_grad():
+        tree = build_tree(dflash2_children(drafter.candidate_selector, hidden, logits, 3), anchors, BLOCK - 1, 24, 3)
+    for lane in range(2):
+        node, chain = 0, []
+        for _ in range(BLOCK - 1):
+            kids = [n for n in range(24) if tree.parents[lane, n] == node and tree.rank[lane, n] == 0]
+            if not kids:
+                break
+            node = kids[0]
+            chain.append(int(tree.tokens[lane, node]))
+        assert chain == walk[lane, :len(chain)].tolist() and len(chain) >= 3
+
+
+# ---- acceptance --------------------------------------------------------------------------------------
+def walk_greedy(tree: DraftTree, logits: torch.Tensor, lane: int, limit: int) -> list[int]:
+    """Reference: from the root, step to the valid child holding the argmax while one exists."""
+    node, path = 0, [0]
+    while len(path) - 1 < limit:
+        best = int(logits[lane, node].argmax())
+        kids = [n for n in range(tree.budget) if tree.parents[lane, n] == node and tree.valid[lane, n]
+                and tree.tokens[lane, n] == best]
+        if not kids:
+            break
+        node = kids[0]
+        path.append(node)
+    return path
+
+
+def test_greedy_acceptance_walks_to_the_argmax_child():
+    g = torch.Generator().manual_seed(2)
+    L, D, V, k, N = 6, 5, 7, 3, 14
+    tree = build_tree(dflash_children(4 * torch.randn(L, D, V, generator=g), k), torch.zeros(L, dtype=torch.long), D, N, k)
+    tree = tree.cut(torch.tensor([N, N, N, 5, N, N]))
+    logits = torch.randn(L, N, V, generator=g)
+    for lane in range(L):  # make some argmaxes hit children, so paths run deep
+        for n in range(N):
+            kids = [m for m in range(N) if tree.parents[lane, m] == n]
+            if kids and (lane in (0, 3) or (lane + n) % 3):  # lanes 0 and 3: every node points at a child
+                logits[lane, n, tree.tokens[lane, kids[(lane + n) % len(kids)]]] = 10.0
+    limits = torch.tensor([5, 2, 0, 5, 5, 5])
+    acc = accept_tree(logits, tree, limits, LaneSampling.greedy_lanes(L, "cpu"))
+    depths = []
+    for lane in range(L):
+        path = walk_greedy(tree, logits, lane, int(limits[lane]))
+        n = len(path) - 1
+        assert int(acc.counts[lane]) == n and acc.path[lane, :n + 1].tolist() == path
+        assert acc.tokens[lane, :n].tolist() == tree.tokens[lane, path[1:]].tolist()
+        assert int(acc.tokens[lane, n]) == int(logits[lane, path[-1]].argmax())
+        depths.append(n)
+    assert max(depths) >= 3 and depths[2] == 0
+
+
+def test_sampled_acceptance_draws_the_first_token_from_p():
+    """Whatever the tree, the first emitted token is distributed as p at the root."""
+    g = torch.Generator().manual_seed(3)
+    V, N, k, draws = 6, 7, 3, 6000
+    tree = build_tree(dflash_children(torch.randn(1, 3, V, generator=g) * 3, k), torch.zeros(1, dtype=torch.long), 3, N, k)
+    logits = torch.randn(1, N, V, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0)
+    lanes = 2000
+    big = DraftTree(*(t.expand(lanes, -1) for t in (tree.tokens, tree.parents, tree.depth, tree.rank, tree.order,
+                                                     tree.valid)), tree.max_depth, tree.top_k)
+    firsts = []
+    for batch in range(draws // lanes):
+        sampling = LaneSampling.build([params] * lanes, [batch] * lanes, list(range(lanes)), "cpu")
+        acc = accept_tree(logits.expand(lanes, -1, -1), big, torch.full((lanes,), 3), sampling)
+        firsts.append(acc.tokens[:, 0])
+    seen = torch.bincount(torch.cat(firsts), minlength=V).float()
+    expected = logits[0, 0].softmax(-1) * draws
+    assert (expected[seen == 0] < 1).all()
+    chi2 = ((seen - expected) ** 2 / expected.clamp(min=1e-9)).sum()
+    assert chi2 < 25  # 5 degrees of freedom: p < 1e-4 beyond this
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,variant", [("dense_gqa", "dflash"), ("dense_gqa", "dflash2"), ("moe", "dflash")])
+@pytest.mark.parametrize("lanes", [1, 8])
+def test_greedy_tree_speculation_equals_target_only(pairs, kind, variant, lanes):
+    target, draft = pairs[(kind, variant)]
+    batch = prompts(96, [3, 11, 17, 8, 5, 2, 9, 13][:lanes], seed=lanes)
+    plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64, page_size=4), batch)]
+    for budget in (5, 16):
+        tree = engine_for(target, draft, tree_budget=budget, tree_top_k=3, max_model_len=64, page_size=4)
+        assert [c.token_ids for c in greedy(tree, batch)] == plain
+
+
+def test_scripted_trees_accept_off_the_top1_chain_and_stay_exact(pairs, monkeypatch):
+    """Trees whose best candidate is sometimes wrong and the right token second: the accepted paths leave
+    the top-1 chain, acceptance beats the chain's, and the output is still target-only greedy's
+    (penalties on too)."""
+    target, _ = pairs[("dense_gqa", "dflash")]
+    batch = prompts(96, [4, 9, 6, 12], seed=5)
+    for rules in ({}, {"presence_penalty": 0.4, "repetition_penalty": 1.3}):
+        plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64, page_size=4), batch, **rules)]
+        scripts = {tuple(p): out for p, out in zip(batch, plain)}
+        mean = {}
+        for budget in (0, 16):
+            off_chain = record_off_chain(monkeypatch)
+            source = ScriptedSource(scripts, BLOCK, 96, corrupt=0.3, seed=7)
+            engine = engine_for(target, draft_source=source, tree_budget=budget, max_model_len=64, page_size=4)
+            done = greedy(engine, batch, **rules)
+            assert [c.token_ids for c in done] == plain
+            accepted = [n for c in done for n in c.accepted_lengths]
+            mean[budget] = sum(accepted) / len(accepted)
+            if budget:
+                assert sum(off_chain) > 0
+        assert mean[16] > mean[0]
+
+
+def test_per_request_budgets_in_a_tree_round(pairs):
+    """A request may ask for a smaller tree (1: no speculation); all stay exact beside full trees."""
+    target, _ = pairs[("dense_gqa", "dflash")]
+    batch = prompts(96, [4, 9, 6], seed=6)
+    plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64), batch)]
+    source = ScriptedSource({tuple(p): out for p, out in zip(batch, plain)}, BLOCK, 96, corrupt=0.2, seed=3)
+    engine = engine_for(target, draft_source=source, tree_budget=12, max_model_len=64)
+    budgets = [None, 1, 4]
+    done, _ = engine.generate(batch, [SamplingParams(max_new_tokens=20, ignore_eos=True, tree_budget=b) for b in budgets])
+    assert [c.token_ids for c in done] == plain
+    assert set(done[1].accepted_lengths) == {1} and max(done[0].accepted_lengths) > 2
+
+
+VOCAB, DRAWS, TOKENS = 12, 1200, 3
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree-sampling")
+    hf = build_hf_model("dense_gqa", seed=11, vocab_size=VOCAB)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(6.0)  # a peaked target, so that trees of a few candidates hold its tokens
+    target = save_checkpoint(hf, root / "target")
+    cfg = load_model(target, device="cpu", progress=False).cfg
+    return target, save_drafter(root / "draft", cfg, "dflash", seed=5, block_size=4)
+
+
+def sampled(engine, base):
+    params = [SamplingParams(max_new_tokens=TOKENS, temperature=1.0, seed=base + i, ignore_eos=True) for i in range(DRAWS)]
+    done, _ = engine.generate([PROMPT] * DRAWS, params)
+    return torch.tensor([c.token_ids for c in done])
+
+
+def p_values(a, b) -> list[float]:
+    """Homogeneity of each position's token distribution, and of the (t1, t2) pair, between two samples."""
+    out = []
+    for x, y in zip([a[:, i] for i in range(TOKENS)] + [a[:, 0] * VOCAB + a[:, 1]],
+                    [b[:, i] for i in range(TOKENS)] + [b[:, 0] * VOCAB + b[:, 1]]):
+        cells = sorted(set(x.tolist()) | set(y.tolist()))
+        table = torch.tensor([[int((x == c).sum()), int((y == c).sum())] for c in cells])
+        rare = table.sum(1) < 10
+        table = torch.cat([table[~rare], table[rare].sum(0, keepdim=True)]) if rare.any() else table
+        out.append(chi2_contingency(table.numpy())[1])
+    return out
+
+
+def accept_first_child(logits, tree, depth_limit, sampling, top_logprobs=None, raw=None):
+    """A broken rule: always accept the best child (no rejection), down to the depth limit."""
+    L = logits.shape[0]
+    path, node = [torch.zeros(L, dtype=torch.long)], torch.zeros(L, dtype=torch.long)
+    for _ in range(int(depth_limit.max())):
+        node = tree_module.children_by_rank(tree)[torch.arange(L), node, 0].clamp(min=0)
+        path.append(node)
+    path = torch.stack(path, 1)
+    counts = torch.minimum(depth_limit, torch.full_like(depth_limit, path.shape[1] - 1))
+    tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), logits[:, 0].argmax(-1, keepdim=True)], 1)
+    full = torch.zeros(L, tree.max_depth + 1, dtype=torch.long)
+    full[:, :path.shape[1]] = path
+    toks = torch.zeros(L, tree.max_depth + 1, dtype=torch.long)
+    toks[:, :tokens.shape[1]] = tokens
+    return Accepted(counts=counts, tokens=toks, path=full)
+
+
+def test_sampled_tree_speculation_keeps_the_target_distribution(peaked, monkeypatch):
+    target, draft = peaked
+    plain = sampled(engine_for(target, max_slots=64), 0)
+    off_chain = record_off_chain(monkeypatch)
+    trees = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3), 100_000)
+    assert min(p_values(plain, trees)) > 1e-3
+    assert sum(off_chain) > 0  # sampled walks accepted candidates other than the best
+    monkeypatch.setattr(runner_module, "accept_tree", accept_first_child)
+    broken = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3), 200_000)
+    assert min(p_values(plain, broken)) < 1e-4
+
+
+def test_tree_options_are_checked(pairs):
+    target, draft = pairs[("dense_gqa", "dflash")]
+    with pytest.raises(DeltaflashError, match="needs a drafter"):
+        engine_for(target, tree_budget=8)
+    with pytest.raises(DeltaflashError, match="does not fit"):
+        engine_for(target, draft, tree_budget=40, tree_top_k=1)
+    with pytest.raises(DeltaflashError, match=r"in \[2, 64\]"):
+        engine_for(target, draft, tree_budget=65)

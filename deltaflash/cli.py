@@ -66,7 +66,10 @@ def cmd_generate(args) -> int:
     if engine.config.speculative:
         acc = done.accepted_lengths
         stats.update(block_size=engine.config.block_size, accepted_lengths=acc,
-                     mean_accepted_length=round(sum(acc) / len(acc), 3) if acc else None)
+                     mean_accepted_length=round(sum(acc) / len(acc), 3) if acc else None,
+                     speculation=engine.config.speculation, round_widths=done.widths)
+        if engine.config.tree_budget:
+            stats.update(tree_budget=engine.config.tree_budget)
     if args.json:
         print(json.dumps({"token_ids": done.token_ids, "text": text, "stats": stats}))
     else:

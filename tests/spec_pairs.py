@@ -46,8 +46,20 @@ def make_pair(tmp_path, kind: str = "dense_gqa", variant: str = "dflash", seed: 
     return target_dir, draft_dir
 
 
+def peaked_pair(root, vocab_size: int, variants=("dflash",), block_size: int = 4):
+    """A tiny target of `vocab_size` tokens with a peaked lm_head (so p and a drafter's q differ clearly and
+    a few candidates hold most of p) and drafters of `variants`: (target folder, {variant: draft folder})."""
+    hf = build_hf_model("dense_gqa", seed=11, vocab_size=vocab_size)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(6.0)
+    target = save_checkpoint(hf, root / "target")
+    cfg = load_model(target, device="cpu", progress=False).cfg
+    return target, {v: save_drafter(root / v, cfg, v, seed=5, block_size=block_size) for v in variants}
+
+
 def engine_for(target_dir, draft_dir=None, draft_source=None, **config):
-    config = {"max_slots": 8, "max_model_len": 256} | config
+    """Speculation at the full block by default ("fixed"): the tests of load-adaptive widths ask for them."""
+    config = {"max_slots": 8, "max_model_len": 256, "speculation": "fixed"} | config
     model = load_model(target_dir, device=DEVICE, dtype=torch.float32, progress=False)
     drafter = None
     if draft_dir is not None:

@@ -18,7 +18,7 @@ def parse(*argv):
 
 def test_demo_workload_writes_json_and_plots(tmp_path):
     args = parse("--concurrency", "1", "2", "--prompts", "2", "--max-new-tokens", "8", "--prompt-lines", "3",
-                 "--device", "cpu", "--out", str(tmp_path), "--quiet")
+                 "--device", "cpu", "--out", str(tmp_path), "--quiet", "--speculation", "fixed")  # the pair's block
     assert e2e.run(args) == 0
     result = json.loads((tmp_path / "e2e-demo.json").read_text())
     points = {(p["concurrency"], p["mode"]): p for p in result["points"]}
@@ -84,7 +84,7 @@ def test_copying_random_model_decodes_stably_in_bf16():
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 17)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    config = EngineConfig(max_slots=3, max_model_len=64)
+    config = EngineConfig(max_slots=3, max_model_len=64, speculation="fixed")
     plain = Engine(model, None, None, config).generate(prompts, params)[0]
     assert [c.token_ids for c in plain] == [[p[-1]] * 24 for p in prompts]
     scripts = {tuple(c.prompt_ids): c.token_ids for c in plain}
@@ -99,7 +99,7 @@ def test_server_mode_drives_live_servers(tmp_path):
     from deltaflash.bundled import BUNDLED
     from tests.server_process import ServerProcess
 
-    spec = ServerProcess(BUNDLED / "target", tmp_path / "spec.log", draft=BUNDLED / "draft")
+    spec = ServerProcess(BUNDLED / "target", tmp_path / "spec.log", "--speculation", "fixed", draft=BUNDLED / "draft")
     try:
         plain = ServerProcess(BUNDLED / "target", tmp_path / "plain.log")
         try:

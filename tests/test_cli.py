@@ -98,7 +98,10 @@ def test_serve_rejects_bad_flags_fast_before_loading(folder, tmp_path):
     cases = [(["--max-model-len", "1"], ("--max-model-len", ">= 2")),
              (["--port", str(busy.getsockname()[1])], ("--port", "cannot listen")),
              (["--draft", str(tmp_path / "missing")], ("--draft", "config.json")),
-             (["--block-size", "4"], ("--block-size", "--draft"))]
+             (["--block-size", "4"], ("--block-size", "--draft")),
+             (["--tree-budget", "8"], ("--tree-budget", "--draft")),
+             (["--gpu-memory-utilization", "1.5"], ("--gpu-memory-utilization", "(0, 1]")),
+             (["--page-size", "0"], ("--page-size", ">= 1"))]
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-m", "deltaflash", "serve", "--model", str(folder), "--device", "cpu",
                                "--host", "127.0.0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -108,7 +111,7 @@ def test_serve_rejects_bad_flags_fast_before_loading(folder, tmp_path):
     busy.close()
     for ((out, err), rc), (_, words) in zip(results, cases):
         one_line_error(subprocess.CompletedProcess([], rc, out, err), *words)
-    assert elapsed < 30  # python + torch imports only, 4 at once on a small machine
+    assert elapsed < 45  # python + torch imports only, 7 at once on a small machine
 
 
 def test_a_benchmark_returning_its_result_exits_zero(monkeypatch):

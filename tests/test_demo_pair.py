@@ -54,7 +54,7 @@ def test_drafter_matches_dflash_package(prompts):
 
 def test_speculative_greedy_equals_target_only(prompts):
     plain = Engine.from_pretrained(TARGET, device="cpu", progress=False, max_slots=3)
-    spec = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False, max_slots=3)
+    spec = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False, max_slots=3, speculation="fixed")
     ids = [encode_prompt(plain.tokenizer, p) for p in prompts]
     params = SamplingParams(max_new_tokens=48)
     expected = [c.token_ids for c in plain.generate(ids, params)[0]]
@@ -70,7 +70,8 @@ def test_mean_accepted_length_on_20_heldout_prompts():
     over 20 held-out prompts decoded greedily for 128 new tokens (fp32 on the CPU)."""
     texts = heldout_prompts(load_split(), 20, num_lines=12)
     assert len(texts) == 20
-    spec = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False, max_slots=20, max_model_len=1024)
+    spec = Engine.from_pretrained(TARGET, DRAFT, device="cpu", progress=False, max_slots=20, max_model_len=1024,
+                                  speculation="fixed")  # the pair's acceptance at its own block
     done = spec.generate([encode_prompt(spec.tokenizer, t) for t in texts], SamplingParams(max_new_tokens=128))[0]
     accepted = [n for c in done for n in c.accepted_lengths]
     mean = sum(accepted) / len(accepted)

@@ -188,7 +188,7 @@ def test_every_row_a_round_writes_lands_in_its_own_pages(pair):
             held = pages.held[slot]
             assert tables[slot, :len(held)].tolist() == held
             assert (tables[slot, len(held):] == engine.pool.tables.sink_page).all()
-        reach = engine.scheduler.reach(list(plan.widths)) if plan.decode else 0
+        reach = engine.scheduler.reach(plan.round_width) if plan.decode else 0
         for seq in plan.decode:
             assert len(pages.held[seq.slot]) * 2 >= seq.position + reach
         checked.append(len(plan.decode))

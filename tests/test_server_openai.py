@@ -109,12 +109,12 @@ def test_completion_logprobs_greedy_agree_with_and_without_drafter(spec, plain):
     zero = completion(spec, logprobs=0, ignore_eos=True).choices[0].logprobs  # the chosen token's alone
     assert [list(t.items()) for t in zero.top_logprobs] == [[(t, p)] for t, p in zip(zero.tokens,
                                                                                       zero.token_logprobs)]
-    assert zero.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert zero.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)  # rows of other widths: fp32 rounding
     assert completion(spec, ignore_eos=True).choices[0].logprobs is None
 
     chunks = list(completion(spec, logprobs=3, ignore_eos=True, stream=True))
     streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
-    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-5)
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset  # offsets run on across chunks
     assert sum((s.tokens for s in streamed), []) == lp.tokens
 
@@ -132,7 +132,8 @@ def test_chat_logprobs_greedy_agree_with_and_without_drafter(spec, plain):
         results.append(content)
         streamed = [e for ch in chat(server, logprobs=True, top_logprobs=2, ignore_eos=True, stream=True)
                     if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
-        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+        assert [e.token for e in streamed] == [e.token for e in content]  # logprobs: rows of other widths
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     assert [e.token for e in results[0]] == [e.token for e in results[1]]
     assert [e.logprob for e in results[0]] == pytest.approx([e.logprob for e in results[1]], abs=1e-4)
     assert chat(spec, logprobs=True, ignore_eos=True).choices[0].logprobs.content[0].top_logprobs == []

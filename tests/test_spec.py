@@ -259,7 +259,8 @@ def test_cli_generate_with_draft_reports_acceptance():
     target = str(BUNDLED / "target")
     plain = subprocess.run([sys.executable, "-m", "deltaflash", "generate", "--model", target, *args],
                            capture_output=True, text=True)
-    spec = subprocess.run([sys.executable, "-m", "deltaflash", "generate", *args, "--block-size", "6"],
+    spec = subprocess.run([sys.executable, "-m", "deltaflash", "generate", *args, "--block-size", "6",
+                           "--speculation", "fixed"],
                           capture_output=True, text=True)  # no --model: the bundled pair, drafter included
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)

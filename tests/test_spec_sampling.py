@@ -7,10 +7,8 @@ from scipy.stats import chi2_contingency
 
 import deltaflash.engine.runner as runner_module
 from deltaflash.core.request import SamplingParams
-from deltaflash.models.loader import load_model
 from deltaflash.speculative.acceptance import Accepted, accept
-from tests.checkpoints import build_hf_model, save_checkpoint
-from tests.spec_pairs import engine_for, save_drafter
+from tests.spec_pairs import engine_for, peaked_pair
 
 VOCAB, N, TOKENS = 12, 1200, 3
 PROMPT = [3, 1, 4, 1, 5]
@@ -18,14 +16,7 @@ PROMPT = [3, 1, 4, 1, 5]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sampling")
-    hf = build_hf_model("dense_gqa", seed=11, vocab_size=VOCAB)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(6.0)  # a peaked target, so p and the drafter's q differ clearly
-    target = save_checkpoint(hf, root / "target")
-    cfg = load_model(target, device="cpu", progress=False).cfg
-    return target, {variant: save_drafter(root / variant, cfg, variant, seed=5, block_size=4)
-                    for variant in ("dflash", "dflash2")}
+    return peaked_pair(tmp_path_factory.mktemp("sampling"), VOCAB, ("dflash", "dflash2"))
 
 
 def accept_every_draft(logits, drafts, draft_q, n_draft, sampling, rules=None, top_logprobs=None):

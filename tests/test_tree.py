@@ -17,8 +17,7 @@ from deltaflash.speculative.draft import _select_candidates
 from deltaflash.speculative.sampling import LaneSampling
 from deltaflash.speculative.sources import ScriptedSource
 from deltaflash.speculative.tree import DraftTree, accept_tree, build_tree, dflash2_children, dflash_children
-from tests.checkpoints import build_hf_model, save_checkpoint
-from tests.spec_pairs import engine_for, make_pair, prompts, save_drafter
+from tests.spec_pairs import engine_for, make_pair, peaked_pair, prompts
 
 BLOCK = 6
 
@@ -222,13 +221,8 @@ PROMPT = [3, 1, 4, 1, 5]
 
 @pytest.fixture(scope="module")
 def peaked(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree-sampling")
-    hf = build_hf_model("dense_gqa", seed=11, vocab_size=VOCAB)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(6.0)  # a peaked target, so that trees of a few candidates hold its tokens
-    target = save_checkpoint(hf, root / "target")
-    cfg = load_model(target, device="cpu", progress=False).cfg
-    return target, save_drafter(root / "draft", cfg, "dflash", seed=5, block_size=4)
+    target, drafts = peaked_pair(tmp_path_factory.mktemp("tree-sampling"), VOCAB)
+    return target, drafts["dflash"]
 
 
 def sampled(engine, base):

@@ -51,7 +51,7 @@ def run(args) -> dict:
                     ref_ms = graph_ms(lambda: paged_attention_ref(**call, scale=HD ** -0.5), reps=3, trials=3)
                     row |= {"reference_ms": ref_ms, "reference/kernel": ref_ms / kernel_ms}
                 out.append(row)
-                del call
+                call = None  # free the pages before the next size
                 torch.cuda.empty_cache()
     print(f"copy bandwidth {bw:.0f} GB/s; page size {args.page_size}; 9B attention layer: {NH} / {NKV} heads of {HD}")
     print_table("paged attention, one layer, bf16 (device time by CUDA-graph replay)", out)

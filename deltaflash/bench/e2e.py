@@ -82,7 +82,8 @@ def _demo_workload(args, max_slots: int) -> Workload:
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
-                          block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
+                          block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
+                          speculation=args.speculation)
 
     def engine(mode: str, profile: bool = False) -> Engine:
         spec = mode == "spec"
@@ -94,7 +95,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
                     SamplingParams(max_new_tokens=args.max_new_tokens), engine,
                     args.block_size or drafter.config.block_size,
                     meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k})
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation})
 
 
 def _scripted_workload(args, max_slots: int) -> Workload:
@@ -115,7 +116,8 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     W = args.block_size or 16
     config = EngineConfig(max_slots=max_slots, max_model_len=args.prompt_len + args.max_new_tokens + 1,
                           prefill_chunk=4096)
-    spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k)
+    spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
+                                      speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
     # the script: the target's own greedy continuation of every prompt, recorded before any timing
     done, _ = Engine(model, None, None, config).generate(prompts, params)
@@ -134,7 +136,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     label = f"scripted drafter (target's greedy continuation, {corrupt:.1%} corrupted, expected tau {tau:.2f}), {shape}"
     return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
                     meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation,
                           "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth})
 
 
@@ -321,6 +323,8 @@ def register(sub) -> None:
     p.add_argument("--draft", default=None, help="demo: drafter folder (default: the bundled drafter)")
     p.add_argument("--block-size", type=int, default=0, help="W (default: the drafter's; scripted: 16)")
     p.add_argument("--tree-budget", type=int, default=0, help="speculate with draft trees of N nodes (0: chains)")
+    p.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
+                   help="round widths chosen by load and acceptance, or always the block")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")

@@ -128,6 +128,12 @@ class Sequence:
     matcher: object | None = None  # the grammar's state (speculative/grammar.py) when params.grammar is set
     logprobs: list = field(default_factory=list)  # per generated token (TokenLogprob), when params.logprobs is set
     preemptions: int = 0     # times its slot and pages were taken back to make room (it was recomputed)
+    widths: list[int] = field(default_factory=list)  # rows it verified, per round it took part in
+    # load-adaptive speculation (speculative/policy.py): decayed tries and hits of each draft position,
+    # and the rounds since it last drafted
+    draft_tries: list[float] = field(default_factory=list)
+    draft_hits: list[float] = field(default_factory=list)
+    rounds_since_draft: int = 0
 
     @property
     def position(self) -> int:
@@ -214,6 +220,7 @@ class Completion:
     finish_reason: str
     accepted_lengths: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)  # rows the request verified per round (1: no drafts)
 
 
 _ids = itertools.count()

@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint folder of the target (default: the bundled demo pair)")
     p.add_argument("--draft", help="DFlash / DFlash2 drafter folder (enables speculative decoding)")
     p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
+    p.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: each round verifies the width (1, powers of two, the block) that maximises expected "
+                        "tokens per second from the lanes' acceptance and the measured round cost; fixed: the block")
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
@@ -95,4 +98,5 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
                                   max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
                                   page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                                   tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
+                                  speculation=args.speculation,
                                   gpu_memory_utilization=args.gpu_memory_utilization, **config)

@@ -41,6 +41,9 @@ class EngineConfig:
     tree_budget: 0 = speculate with the drafter's top-1 chain; N >= 2 = with trees of N nodes (the anchor
         included) built from the block's per-depth candidates (speculative/tree.py), N rows per lane.
     tree_top_k: candidates per depth a tree may branch into.
+    speculation: "adaptive" = each round verifies the width (1, powers of two, the block) that maximises
+        expected tokens per second from the lanes' acceptance so far and the measured cost of a round
+        (speculative/policy.py); "fixed" = always the block. Trees always use their budget.
     block_size: W, rows a speculating lane verifies; 0 = the drafter's own; resolved to 1 without a drafter.
     kernels: "triton" (fused kernels) or "reference" (pure torch); "auto" = triton on CUDA unless
         DELTAFLASH_NO_FUSED_KERNELS=1, reference on CPU.
@@ -57,6 +60,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tree_budget: int = 0
     tree_top_k: int = 4
+    speculation: str = "adaptive"
     block_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool | None = None
@@ -93,6 +97,8 @@ class EngineConfig:
             block = self.block_size or drafter_block
             if block < 2:
                 raise DeltaflashError(f"block size must be >= 2 to speculate, got {block}")
+        if self.speculation not in ("adaptive", "fixed"):
+            raise DeltaflashError(f"speculation must be 'adaptive' or 'fixed', got {self.speculation!r}")
         if self.tree_budget:
             from deltaflash.speculative.tree import max_nodes
 
@@ -106,6 +112,20 @@ class EngineConfig:
                                       f"{self.tree_top_k} candidates")
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block,
                                    max_model_len=self.max_model_len or model_max_len)
+
+    @property
+    def adaptive(self) -> bool:
+        """Rounds choose their width (a speculative engine of chains with speculation 'adaptive')."""
+        return self.speculative and not self.tree_budget and self.speculation == "adaptive"
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The verify widths rounds may use (each has a CUDA graph)."""
+        from deltaflash.speculative.policy import allowed_widths
+
+        if self.tree_budget:
+            return (1, self.tree_budget)
+        return allowed_widths(self.block_size) if self.adaptive else tuple(sorted({1, self.block_size}))
 
     @property
     def reach(self) -> int:

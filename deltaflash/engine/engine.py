@@ -16,10 +16,12 @@ from deltaflash.core.request import (
     Completion, SamplingParams, Sequence, Status, StepEvent, StepReport, TokenLogprob, next_request_id, resolve_seed,
 )
 from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.graphs import buckets_for
 from deltaflash.engine.runner import ModelRunner, StepResult
 from deltaflash.engine.scheduler import Scheduler, StepPlan
 from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
+from deltaflash.speculative.policy import WidthPolicy
 from deltaflash.tokenizer import load_tokenizer
 
 log = logging.getLogger("deltaflash.engine")
@@ -46,6 +48,9 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.runner.page_plan.num_pages)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
+        if self.config.adaptive:  # after capture: the calibration times what rounds will replay
+            self.scheduler.policy = WidthPolicy(self.config.widths, buckets_for(self.config.max_slots),
+                                                self.runner.calibrate())
         if self.device.type == "cuda":
             self._warm_requests()
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
@@ -171,12 +176,17 @@ class Engine:
                     self._emit(seq, *next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
-        out = result.round
+        out, policy = result.round, self.scheduler.policy
+        if policy is not None and plan.decode:
+            policy.costs.observe(policy.bucket(len(plan.decode)), plan.round_width, result.decode_s)
         for seq, width, accepted, tokens, logprobs in zip(plan.decode, plan.widths, out.accepted, out.tokens,
                                                           out.logprobs):
             seq.draws += 1
+            seq.widths.append(width)
             if width > 1:
                 seq.accepted_lengths.append(accepted + 1)
+            if policy is not None:
+                policy.observe(seq, width - 1, accepted)
             self._emit(seq, tokens, logprobs, events)
 
     # ---- output and retirement ----------------------------------------------------------
@@ -229,5 +239,5 @@ class Engine:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         completions = [Completion(i, seqs[i].prompt_ids, out[i], reasons[i], seqs[i].accepted_lengths,
-                                  seqs[i].logprobs) for i in ids]
+                                  seqs[i].logprobs, seqs[i].widths) for i in ids]
         return completions, elapsed

@@ -30,6 +30,7 @@ from deltaflash.speculative.acceptance import Accepted, accept
 from deltaflash.speculative.grammar import lane_masks
 from deltaflash.speculative.logit_rules import LogitRules
 from deltaflash.speculative.sampling import LaneSampling
+from deltaflash.speculative.policy import RoundCosts
 from deltaflash.speculative.sources import DFlashSource, DraftSource
 from deltaflash.speculative.tree import DraftTree, accept_tree
 
@@ -93,7 +94,7 @@ class ModelRunner:
                                         self.kernels.paged_attention)
         self.source = draft_source
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
-        self.widths = (1, W) if W > 1 else (1,)
+        self.widths = tuple(w for w in config.widths if not config.tree_budget or w == 1) or (1,)
         self.verify_graphs = {}
         if self.graphs is not None:
             for w in self.widths:
@@ -190,6 +191,29 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    @torch.inference_mode()
+    def calibrate(self, reps: int = 2) -> RoundCosts:
+        """Seconds of a round's device work (the draft when it drafts, and the verify forward) at every
+        lane bucket and width, timed on padding lanes (the last of `reps` runs): the seed of the cost
+        model that load-adaptive speculation uses (speculative/policy.py)."""
+        costs = RoundCosts()
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        for bucket in buckets_for(self.config.max_slots):
+            slot_ids = torch.full((bucket,), -1, dtype=torch.long, device=self.device)
+            zeros = torch.zeros(bucket, dtype=torch.long, device=self.device)
+            sampling = LaneSampling.greedy_lanes(bucket, self.device)
+            for w in self.widths:
+                for _ in range(reps):
+                    sync()
+                    t0 = time.perf_counter()
+                    if w > 1 and isinstance(self.source, DFlashSource):  # scripted drafts: host time, measured online
+                        self.source.draft((), slot_ids, zeros, zeros, sampling)
+                    self.verify(torch.zeros(bucket, w, dtype=torch.long, device=self.device), slot_ids, zeros, w)
+                    sync()
+                    seconds = time.perf_counter() - t0
+                costs.seeds[(bucket, w)] = seconds
+        return costs
+
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def map_pages(self, plan: StepPlan) -> None:
@@ -259,8 +283,9 @@ class ModelRunner:
             accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=out.logits)
             return _Round(slot_ids, start, out, accepted, tree), marks
         drafts, draft_q = anchors[:, None][:, :0], None
-        if W > 1:
+        if W > 1:  # the block's W - 1 drafts, of which a narrower round verifies the first ones
             drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)
+            drafts, draft_q = drafts[:, :W - 1], None if draft_q is None else draft_q[:, :W - 1]
         marks = [self._now()]
         out = self.verify(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start, max(starts) + W)
         marks.append(self._now())

@@ -18,6 +18,7 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
+from deltaflash.speculative.policy import WidthPolicy
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_pages: int):
-        self.config = config
+    def __init__(self, config: EngineConfig, num_pages: int, policy: WidthPolicy | None = None):
+        """policy: chooses each round's width (load-adaptive speculation); None: the block, always."""
+        self.config, self.policy = config, policy
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
         # pages kept free when admitting beside running sequences, so their next rounds rarely preempt
@@ -106,7 +108,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         cancelled = self._retire_cancelled()
-        decode, widths, reach, preempted = self._make_room()
+        decode, widths, round_width, preempted = self._make_room()
+        reach = self.reach(round_width)
         grants = [g for seq in decode for g in self.pages.grow(seq.slot, seq.position + reach)]
         admitted = []
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
@@ -122,36 +125,40 @@ class Scheduler:
         released, self._released = tuple(self._released), []
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=tuple(self._prefill_chunks()),
-                        decode=tuple(decode), widths=tuple(widths), round_width=self.round_width(widths),
-                        tree_budget=self.config.tree_budget if self.round_width(widths) > 1 else 0)
+                        decode=tuple(decode), widths=tuple(widths), round_width=round_width,
+                        tree_budget=self.config.tree_budget if round_width > 1 else 0)
 
     def width(self, seq: Sequence) -> int:
-        """Rows the sequence verifies this round: the block, or fewer when fewer tokens are left."""
+        """Most rows the sequence may verify this round: the block, or fewer when fewer tokens are left."""
         return max(1, min(self.config.block_size, seq.remaining))
 
-    def round_width(self, widths: list[int]) -> int:
-        """Rows per lane of the round's verify forward: the block (a tree's nodes) if any lane speculates, else 1."""
-        if not any(w > 1 for w in widths):
-            return 1
-        return self.config.tree_budget or self.config.block_size
+    def widths(self, decode: list[Sequence]) -> tuple[list[int], int]:
+        """(each lane's width: 1 + the drafts it may accept, the round's rows per lane): the policy's
+        choice, or every lane at its most and the block (a tree's nodes) when any speculates."""
+        caps = [self.width(s) for s in decode]
+        if self.policy is not None and decode:
+            round_width, lanes = self.policy.choose(decode, caps)
+            return lanes, round_width
+        if not any(w > 1 for w in caps):
+            return caps, 1
+        return caps, self.config.tree_budget or self.config.block_size
 
-    def reach(self, widths: list[int]) -> int:
-        """Positions past its committed length that the round writes for every lane (whatever its own
-        width): the verify rows, and the drafter's block when the round drafts."""
-        rows = self.round_width(widths)
-        return max(rows, self.config.block_size) if rows > 1 else 1
+    def reach(self, round_width: int) -> int:
+        """Positions past its committed length that a round of `round_width` rows writes for every lane
+        (whatever its own width): the verify rows, and the drafter's block when the round drafts."""
+        return max(round_width, self.config.block_size) if round_width > 1 else 1
 
     def _make_room(self) -> tuple[list[Sequence], list[int], int, list[Sequence]]:
-        """The round's lanes, widths and reach, after preempting the most recently admitted sequences
+        """The round's lanes, widths and rows, after preempting the most recently admitted sequences
         until the pages every lane's rows reach are free (prefilling sequences took theirs at admission)."""
         preempted = []
         while True:
             decode = [s for s in self.running.values() if s.status is Status.DECODING]
-            widths = [self.width(s) for s in decode]
-            reach = self.reach(widths)
+            widths, round_width = self.widths(decode)
+            reach = self.reach(round_width)
             need = sum(self.pages.missing(s.slot, s.position + reach) for s in decode)
             if need <= self.pages.num_free:
-                return decode, widths, reach, preempted
+                return decode, widths, round_width, preempted
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
             preempted.append(victim)

@@ -42,6 +42,9 @@ class Metrics:
         self.accepted_length = Histogram("deltaflash_accepted_length",
                                          "Tokens committed per lane per speculative round (1 + accepted drafts)",
                                          buckets=buckets, registry=r)
+        self.lane_width = Histogram("deltaflash_lane_width", "Rows each lane of a round verified (1 + the drafts it "
+                                    "could accept; 1: no drafting): the load-adaptive speculation's choice",
+                                    buckets=buckets, registry=r)
         self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.ttft = Histogram("deltaflash_time_to_first_token_seconds", "Submission to first generated token",
@@ -64,6 +67,8 @@ class Metrics:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
         for n in report.accepted_lengths:
             self.accepted_length.observe(n)
+        for w in report.widths:
+            self.lane_width.observe(w)
         if report.preempted:
             self.preemptions.inc(report.preempted)
         if report.pages_total:

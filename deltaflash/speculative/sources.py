@@ -112,7 +112,7 @@ class DFlashSource:
     def _block(self, seqs, slot_ids, anchors, start) -> tuple[Tensor, Tensor]:
         out = self.block_graphs.run(slot_ids, anchors, start) if self.block_graphs is not None else None
         if out is None:  # host-known bound: read no more context rows than the longest lane has
-            out = self._block_logits(slot_ids, anchors, start, max(seq.position for seq in seqs))
+            out = self._block_logits(slot_ids, anchors, start, max((seq.position for seq in seqs), default=0))
         return out
 
 

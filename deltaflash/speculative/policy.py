@@ -1,0 +1,166 @@
+"""Load-adaptive speculation: how many rows each round verifies (host only; the scheduler asks it).
+
+A verify forward has one width w for all its lanes (rows are a rectangle), and its cost c(L, w) grows
+with lanes x rows once the GEMMs stop being weight-bound. Each round takes the w of the allowed widths
+(1 and powers of two up to the block) that maximises expected tokens per second,
+    sum over lanes of E_l(min(w, cap_l)) / c(bucket(L), w),
+where E_l(w) = 1 + sum_{i < w} prod_{j <= i} a_{l,j} is the tokens lane l emits with w rows, a_{l,j} its
+running acceptance rate of the j-th draft given the ones before (its decayed counts, with the engine-wide
+rate of that position over recent rounds as a prior worth PRIOR_WEIGHT rounds, so a new request starts
+from what drafting has been achieving; before any round that rate is the optimistic FIRST_RATE), and
+cap_l the tokens it has left. c is seeded at engine start by timing the draft and verify forwards of
+every (lane bucket, width) and then follows the measured wall time of the rounds run (decayed means),
+so host costs count too. A lane whose first draft is almost never accepted stops drafting (it accepts no
+draft in the rounds it shares). Every `probe_every` rounds without drafting, a lane probes: it counts
+with the optimistic FIRST_RATE instead of its own record, so drafting is tried again where it could
+pay (at one lane, say) and not where the load makes it too dear. Greedy output is the same at every
+width: acceptance is exact for any number of drafts. A sampled request with a seed is reproducible only
+if the positions it drafts do not depend on the load, so its lane always verifies its full width (as with
+fixed speculation) and a round holding one runs at the block: the others then draft at no extra cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seqs
+from dataclasses import dataclass, field
+
+from deltaflash.core.request import Sequence
+
+DECAY = 0.9          # weight of the past in a lane's acceptance counts and in the cost means, per observation
+ENGINE_DECAY = 0.99  # the same for the engine-wide acceptance counts (a prior: slower)
+PRIOR_WEIGHT = 3.0   # rounds' worth of the engine-wide rate in a lane's estimate
+FIRST_RATE = 0.8     # the engine-wide rate before any round: optimistic, so that drafting gets tried
+STOP_BELOW = 0.15    # first-draft acceptance under which a lane stops drafting
+MIN_TRIES = 4.0      # ... once it has this much (decayed) evidence
+
+
+def allowed_widths(block_size: int) -> tuple[int, ...]:
+    """1, the powers of two below the block, and the block: the widths with a CUDA graph."""
+    widths, w = [1], 2
+    while w < block_size:
+        widths.append(w)
+        w *= 2
+    return tuple(widths + [block_size]) if block_size > 1 else (1,)
+
+
+def acceptance_rate(seq: Sequence, j: int, prior: float = FIRST_RATE) -> float:
+    """Running rate at which lane `seq` has its j-th draft accepted after the j-1 before it (j >= 1),
+    `prior` (the engine-wide rate) counting PRIOR_WEIGHT rounds."""
+    hits = seq.draft_hits[j - 1] if j <= len(seq.draft_hits) else 0.0
+    tries = seq.draft_tries[j - 1] if j <= len(seq.draft_tries) else 0.0
+    return (hits + PRIOR_WEIGHT * prior) / (tries + PRIOR_WEIGHT)
+
+
+def expected_tokens(seq: Sequence, width: int, priors: Seqs[float] = ()) -> float:
+    """Tokens the lane emits in a round of `width` rows: the bonus token plus each draft reached
+    (priors[j-1]: the engine-wide rate of draft j; FIRST_RATE where not given)."""
+    total, reach = 1.0, 1.0
+    for j in range(1, width):
+        reach *= acceptance_rate(seq, j, priors[j - 1] if j <= len(priors) else FIRST_RATE)
+        total += reach
+    return total
+
+
+def observe_round(seq: Sequence, allowed: int, accepted: int) -> None:
+    """A round offered the lane `allowed` drafts and `accepted` of them were taken: positions
+    1..accepted hit, position accepted + 1 (when offered) missed, the counts decay; a lane offered none
+    counts one more round since it drafted."""
+    seq.rounds_since_draft = 0 if allowed else seq.rounds_since_draft + 1
+    need = max(allowed, len(seq.draft_tries))
+    seq.draft_tries += [0.0] * (need - len(seq.draft_tries))
+    seq.draft_hits += [0.0] * (need - len(seq.draft_hits))
+    for j in range(1, min(accepted + 1, allowed) + 1):
+        seq.draft_tries[j - 1] = DECAY * seq.draft_tries[j - 1] + 1.0
+        seq.draft_hits[j - 1] = DECAY * seq.draft_hits[j - 1] + (1.0 if j <= accepted else 0.0)
+
+
+@dataclass
+class RoundCosts:
+    """Seconds of one round per (lane bucket, width). `seeds`: the device work timed at calibration;
+    `measured`: decayed means of the rounds run, host work included; `overhead`: the decayed mean of
+    measured less seed, added to the seeds of the entries not measured yet (so that they compare fairly
+    with those that were). An entry with neither is scaled from the nearest seed by its rows."""
+
+    seeds: dict[tuple[int, int], float] = field(default_factory=dict)
+    measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    overhead: float = 0.0
+
+    def cost(self, bucket: int, width: int) -> float:
+        key = (bucket, width)
+        if key in self.measured:
+            return self.measured[key]
+        return self._seed(bucket, width) + self.overhead
+
+    def _seed(self, bucket: int, width: int) -> float:
+        if (bucket, width) in self.seeds:
+            return self.seeds[(bucket, width)]
+        if not self.seeds:
+            return float(bucket * width)
+        (b, w), s = min(self.seeds.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - bucket * width))
+        return s * (bucket * width) / (b * w)
+
+    def observe(self, bucket: int, width: int, seconds: float) -> None:
+        key = (bucket, width)
+        old = self.measured.get(key)
+        self.measured[key] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self.overhead = DECAY * self.overhead + (1 - DECAY) * (seconds - self._seed(bucket, width))
+
+
+@dataclass
+class WidthPolicy:
+    """Chooses each round's width and each lane's (see the module docstring)."""
+
+    widths: tuple[int, ...]
+    buckets: tuple[int, ...]
+    costs: RoundCosts
+    probe_every: int = 16
+    tries: list[float] = field(default_factory=list)  # engine-wide decayed counts per draft position
+    hits: list[float] = field(default_factory=list)
+
+    def bucket(self, lanes: int) -> int:
+        return next((b for b in self.buckets if b >= lanes), lanes)
+
+    def priors(self) -> list[float]:
+        """The engine-wide acceptance rate of each draft position (FIRST_RATE worth one round as its prior)."""
+        return [(h + FIRST_RATE) / (t + 1.0) for h, t in zip(self.hits, self.tries)]
+
+    def observe(self, seq: Sequence, allowed: int, accepted: int) -> None:
+        """One lane's round: its own counts (observe_round) and the engine-wide ones."""
+        observe_round(seq, allowed, accepted)
+        self.tries += [0.0] * (allowed - len(self.tries))
+        self.hits += [0.0] * (allowed - len(self.hits))
+        for j in range(1, min(accepted + 1, allowed) + 1):
+            self.tries[j - 1] = ENGINE_DECAY * self.tries[j - 1] + 1.0
+            self.hits[j - 1] = ENGINE_DECAY * self.hits[j - 1] + (1.0 if j <= accepted else 0.0)
+
+    def choose(self, seqs: Seqs[Sequence], caps: Seqs[int]) -> tuple[int, list[int]]:
+        """(round width, per-lane widths) for lanes `seqs` that may emit at most caps[l] tokens."""
+        if any(cap > 1 and seq.params.seed is not None and not seq.params.greedy for seq, cap in zip(seqs, caps)):
+            priors = self.priors()  # a seeded sampled lane: the block, every lane at its most unless stopped
+            lanes = [cap if cap > 1 and (seq.params.seed is not None and not seq.params.greedy
+                                         or self._drafts(seq, priors)) else 1 for seq, cap in zip(seqs, caps)]
+            return self.widths[-1], lanes
+        priors = self.priors()
+        probing = [seq.rounds_since_draft + 1 >= self.probe_every for seq in seqs]
+        drafting = [cap > 1 and (probe or self._drafts(seq, priors)) for seq, cap, probe in zip(seqs, caps, probing)]
+        bucket = self.bucket(len(seqs))
+        best, best_value = 1, -1.0
+        for w in self.widths:
+            gain = sum((_optimistic_tokens(min(w, cap)) if probe else expected_tokens(seq, min(w, cap), priors))
+                       if d else 1.0 for seq, cap, d, probe in zip(seqs, caps, drafting, probing))
+            value = gain / max(self.costs.cost(bucket, w), 1e-9)
+            if value > best_value * (1 + 1e-9):
+                best, best_value = w, value
+        lane_widths = [min(best, cap) if d else 1 for cap, d in zip(caps, drafting)]
+        return (best if any(w > 1 for w in lane_widths) else 1), lane_widths
+
+    def _drafts(self, seq: Sequence, priors: list[float]) -> bool:
+        """Whether the lane drafts (outside probes): unless its own record says its first draft almost
+        never lands (the engine-wide prior does not excuse a lane that fails where others succeed)."""
+        tries = seq.draft_tries[0] if seq.draft_tries else 0.0
+        return tries < MIN_TRIES or seq.draft_hits[0] / tries >= STOP_BELOW
+
+
+def _optimistic_tokens(width: int) -> float:
+    """Expected tokens of a probing lane: every draft at FIRST_RATE."""
+    return sum(FIRST_RATE ** i for i in range(width))

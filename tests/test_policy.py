@@ -1,0 +1,105 @@
+"""Load-adaptive speculation (speculative/policy.py): widths follow load and acceptance, a lane that is
+never accepted stops drafting and probes again, and greedy output is the same at every width mix."""
+
+import pytest
+
+from deltaflash.core.request import SamplingParams, Sequence
+from deltaflash.speculative.policy import (
+    MIN_TRIES, RoundCosts, WidthPolicy, acceptance_rate, allowed_widths, expected_tokens, observe_round,
+)
+from deltaflash.speculative.sources import ScriptedSource
+from tests.spec_pairs import engine_for, make_pair, prompts
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def lane(rate: float | None = None, rounds: int = 30, allowed: int = 15) -> Sequence:
+    """A sequence whose history accepted each draft with probability `rate` (deterministic counts)."""
+    seq = Sequence("r", [1], SamplingParams(max_new_tokens=1000), frozenset(), seed=0)
+    if rate is not None:
+        for i in range(rounds):  # accept floor(rate * k) drafts in a pattern with that mean rate per position
+            accepted = 0
+            while accepted < allowed and ((i * 7919 + accepted * 104729) % 1000) / 1000 < rate:
+                accepted += 1
+            observe_round(seq, allowed, accepted)
+    return seq
+
+
+def compute_bound_costs(weight_read: float = 5.0, per_row: float = 0.02) -> RoundCosts:
+    """A GPU-like round: a fixed weight read until lanes x rows make it compute-bound."""
+    return RoundCosts(seeds={(b, w): max(weight_read, per_row * b * w) + 0.5 * (w > 1)
+                             for b in BUCKETS for w in allowed_widths(16)})
+
+
+def test_allowed_widths_and_expected_tokens():
+    assert allowed_widths(16) == (1, 2, 4, 8, 16) and allowed_widths(6) == (1, 2, 4, 6) and allowed_widths(1) == (1,)
+    good, bad = lane(0.9), lane(0.05)
+    assert acceptance_rate(good, 1) > 0.8 and acceptance_rate(bad, 1, prior=0.1) < 0.15
+    assert expected_tokens(good, 1) == 1.0 and expected_tokens(good, 16) > 4 > 2 > expected_tokens(bad, 16)
+
+
+def test_width_shrinks_as_load_grows():
+    policy = WidthPolicy(allowed_widths(16), BUCKETS, compute_bound_costs())
+    chosen = {n: policy.choose([lane(0.8) for _ in range(n)], [16] * n)[0] for n in (1, 16, 64)}
+    assert chosen[1] == 16 and chosen[1] >= chosen[16] >= chosen[64] and chosen[64] < 16, chosen
+    low = {n: policy.choose([lane(0.3) for _ in range(n)], [16] * n)[0] for n in (1, 64)}
+    assert low[1] <= chosen[1] and low[64] <= chosen[64]  # poorer acceptance: no wider
+    assert policy.choose([lane(0.8)], [3])[1] == [3]  # never past the tokens a lane has left
+
+
+def test_a_lane_never_accepted_stops_drafting_and_probes_again():
+    policy = WidthPolicy(allowed_widths(8), BUCKETS, compute_bound_costs(), probe_every=5)
+    seq, good = lane(), lane(0.9)
+    widths = []
+    for _ in range(40):
+        _, (w, _) = policy.choose([seq, good], [8, 8])
+        widths.append(w)
+        observe_round(seq, w - 1, 0)  # none of its drafts is ever accepted
+    first_stop = widths.index(1)
+    assert seq.draft_tries[0] >= MIN_TRIES and first_stop <= 8
+    stops = widths[first_stop:]
+    assert 1 in stops and any(w > 1 for w in stops)  # probes now and then
+    assert sum(w > 1 for w in stops) <= len(stops) // 5 + 1
+
+
+def test_costs_follow_the_measured_rounds():
+    costs = RoundCosts(seeds={(1, 1): 1.0, (1, 8): 2.0})
+    costs.observe(1, 8, 4.0)  # the round took longer than its seed: 2 s of host work
+    assert costs.cost(1, 8) == 4.0 and costs.cost(1, 1) == pytest.approx(1.0 + 0.1 * 2.0)
+    assert costs.cost(4, 8) > costs.cost(1, 8) / 2  # an unseen entry scales from the nearest seed
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("policy"), block_size=8)
+
+
+def test_greedy_output_is_the_same_at_every_width_mix(pair):
+    """Lanes with a script (most drafts right) beside lanes drafting at random, the widths chosen by the
+    policy from the CPU's measured costs: target-only greedy output, widths that vary, and the random
+    lanes' drafting stopped."""
+    target, _ = pair
+    batch = prompts(96, [4, 9, 6, 12, 3, 7], seed=9)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    plain = [c.token_ids for c in engine_for(target, max_model_len=96).generate(batch, params)[0]]
+    scripts = {tuple(p): out for p, out in zip(batch[:3], plain[:3])}  # lanes 3..5 draft at random
+    engine = engine_for(target, draft_source=ScriptedSource(scripts, 8, 96, corrupt=0.1, seed=4),
+                        speculation="adaptive", max_model_len=96)
+    assert engine.scheduler.policy is not None and engine.config.widths == (1, 2, 4, 8)
+    done, _ = engine.generate(batch, params)
+    assert [c.token_ids for c in done] == plain
+    scripted, random_lanes = done[:3], done[3:]
+    assert all(max(c.widths) > 1 for c in scripted)
+    assert all(c.widths[-8:].count(1) >= 6 for c in random_lanes)  # stopped drafting (bar the probes)
+    assert len({w for c in done for w in c.widths}) >= 2
+
+
+def test_seeded_sampled_lanes_verify_their_full_width_whatever_the_load():
+    """A seeded sampled request reproduces only if the positions it drafts do not depend on the load."""
+    policy = WidthPolicy(allowed_widths(16), BUCKETS, compute_bound_costs())
+    seqs = [lane(0.3) for _ in range(64)]
+    assert policy.choose(seqs, [16] * 64)[0] < 16  # under load, greedy lanes narrow down
+    seeded = lane(0.3)
+    seeded.params = SamplingParams(max_new_tokens=1000, temperature=0.8, seed=5)
+    round_width, widths = policy.choose(seqs + [seeded], [16] * 64 + [9])
+    assert round_width == 16 and widths[-1] == 9 and widths[:-1] == [16] * 64

@@ -152,8 +152,10 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def tiles(T: int, rep: int, head_dim: int) -> tuple[int, int]:
-    """(BM query rows, BN keys) per program: rows of one kv head up to 64; smaller key tiles for wide heads."""
-    return max(16, min(64, triton.next_power_of_2(T * rep))), 64 if head_dim <= 128 else 32
+    """(BM query rows, BN keys) per program: rows of one kv head up to 64; key tiles of 32, or 16 for heads
+    wider than 128 (sm_90 ptxas: no spills at hd 64 / 128 with trees, 0-28 bytes at hd 256 x 64 rows;
+    `bench/attention_registers.py`)."""
+    return max(16, min(64, triton.next_power_of_2(T * rep))), 32 if head_dim <= 128 else 16
 
 
 def default_splits(lanes: int, kv_heads: int, T: int, rep: int, head_dim: int, max_keys: int, device) -> int:

@@ -1,0 +1,48 @@
+"""Registers, spills and shared memory of the paged attention kernel per tile, compiled for sm_90
+without a GPU (Triton's sm_90 target, then ptxas -v on the PTX).
+
+Usage: python bench/attention_registers.py   (CPU is enough)
+
+Shapes of the 9B target (16 query / 4 kv heads of 256, bf16) at decode (1 row) and verify (16 rows)
+and of the demo pair's (hd 64), every mask mode, with and without key-range splits.
+"""
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from deltaflash.ops.attention.paged import paged_attention_kernel, tiles
+
+POINTERS = dict(q="*bf16", k_pages="*bf16", v_pages="*bf16", block_tables="*i32", slot_ids="*i64",
+                context_lens="*i64", n_rows="*i64", tree_mask="*i8", out="*bf16", part_out="*fp32", part_lse="*fp32")
+FLOATS = ("scale",)
+
+
+def report(T: int, rep: int, hd: int, mode: int, splits: int) -> str:
+    BM, BN = tiles(T, rep, hd)
+    consts = dict(REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, BN=BN, MODE=mode, WINDOWED=False,
+                  SPLITS=splits, IEEE=False)
+    signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name in FLOATS else "i64")
+                 for name in paged_attention_kernel.arg_names}
+    kernel = triton.compile(ASTSource(paged_attention_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=8 if hd >= 256 else 4))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "attention.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "a.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    found = ", ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads", out))
+    return f"BM {BM} BN {BN}: {found}, {kernel.metadata.shared} bytes shared"
+
+
+if __name__ == "__main__":
+    for name, T, rep, hd in (("9B decode", 1, 4, 256), ("9B verify W16", 16, 4, 256), ("demo verify W8", 8, 2, 64)):
+        for mode, label in ((0, "causal"), (2, "tree")):
+            for splits in (1, 8):
+                print(f"{name:15s} {label:6s} splits {splits}: {report(T, rep, hd, mode, splits)}")

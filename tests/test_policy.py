@@ -103,3 +103,12 @@ def test_seeded_sampled_lanes_verify_their_full_width_whatever_the_load():
     seeded.params = SamplingParams(max_new_tokens=1000, temperature=0.8, seed=5)
     round_width, widths = policy.choose(seqs + [seeded], [16] * 64 + [9])
     assert round_width == 16 and widths[-1] == 9 and widths[:-1] == [16] * 64
+
+
+def test_forget_keeps_only_the_calibration():
+    policy = WidthPolicy(allowed_widths(8), BUCKETS, RoundCosts(seeds={(1, 1): 1.0, (1, 8): 2.0}))
+    seq = lane()
+    policy.observe(seq, 7, 0)
+    policy.costs.observe(1, 8, 5.0)
+    policy.forget()
+    assert policy.priors() == [] and policy.costs.cost(1, 8) == 2.0

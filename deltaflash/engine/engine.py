@@ -53,6 +53,8 @@ class Engine:
                                                 self.runner.calibrate())
         if self.device.type == "cuda":
             self._warm_requests()
+            if self.scheduler.policy is not None:  # what the warm requests taught it is not about clients
+                self.scheduler.policy.forget()
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
 

@@ -120,6 +120,12 @@ class WidthPolicy:
     def bucket(self, lanes: int) -> int:
         return next((b for b in self.buckets if b >= lanes), lanes)
 
+    def forget(self) -> None:
+        """Back to the calibration alone: no acceptance record, no measured rounds."""
+        self.tries, self.hits = [], []
+        self.costs.measured.clear()
+        self.costs.overhead = 0.0
+
     def priors(self) -> list[float]:
         """The engine-wide acceptance rate of each draft position (FIRST_RATE worth one round as its prior)."""
         return [(h + FIRST_RATE) / (t + 1.0) for h, t in zip(self.hits, self.tries)]

@@ -198,3 +198,22 @@ def test_every_row_a_round_writes_lands_in_its_own_pages(pair):
     done, _ = engine.generate(batch, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news])
     assert [c.token_ids for c in done] == solo
     assert max(checked) == 2 and all_free(engine)
+
+
+def test_metrics_count_preemptions_and_page_usage(pair):
+    """A server's /metrics: preemptions of a tight pool counted, page usage reported (the worker's metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deltaflash.server.metrics import Metrics
+
+    metrics = Metrics(BLOCK)
+    engine = engine_for(pair[0], max_slots=4, max_model_len=64, page_size=4,
+                        kv_cache_memory=26 * page_bytes(pair[0], page_size=4))
+    usage = []
+    for prompt in prompts(96, [10, 7, 12, 9], seed=4):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    while engine.has_work():
+        engine.step(on_report=lambda report: (metrics.observe_step(report), usage.append(report.pages_used)))
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert values["deltaflash_preemptions_total"] == engine.stats["preemptions"] > 0
+    assert max(usage) > 20 and values["deltaflash_kv_cache_usage_ratio"] == usage[-1] / 26  # the last step's

@@ -281,3 +281,24 @@ def test_tree_options_are_checked(pairs):
         engine_for(target, draft, tree_budget=40, tree_top_k=1)
     with pytest.raises(DeltaflashError, match=r"in \[2, 64\]"):
         engine_for(target, draft, tree_budget=65)
+
+
+def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch):
+    """After rounds that accepted paths off the top-1 chain, every committed position's K/V (moved there
+    from its node's row) and the GDN state equal those of target-only decoding of the same tokens."""
+    target, _ = pairs[("dense_gqa", "dflash")]
+    prompt = prompts(96, [7], seed=12)[0]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain = engine_for(target, max_model_len=64, max_slots=1)
+    expected = plain.generate([prompt], params)[0][0].token_ids
+    off_chain = record_off_chain(monkeypatch)
+    source = ScriptedSource({tuple(prompt): expected}, BLOCK, 96, corrupt=0.4, seed=2)
+    tree = engine_for(target, draft_source=source, tree_budget=16, max_model_len=64, max_slots=1)
+    assert tree.generate([prompt], params)[0][0].token_ids == expected and sum(off_chain) > 0
+    n = min(plain.pool.lengths[0], tree.pool.lengths[0])
+    assert n >= len(prompt) + 20
+    for a, b in zip(tree.pool.kv_of(0, n), plain.pool.kv_of(0, n)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    if plain.pool.lengths[0] == tree.pool.lengths[0]:
+        torch.testing.assert_close(tree.pool.recurrent_state[0], plain.pool.recurrent_state[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(tree.pool.conv_history[0], plain.pool.conv_history[0], rtol=1e-4, atol=1e-5)

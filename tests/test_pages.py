@@ -217,3 +217,4 @@ def test_metrics_count_preemptions_and_page_usage(pair):
     values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     assert values["deltaflash_preemptions_total"] == engine.stats["preemptions"] > 0
     assert max(usage) > 20 and values["deltaflash_kv_cache_usage_ratio"] == usage[-1] / 26  # the last step's
+    assert values["deltaflash_prefill_tokens_per_step_sum"] == engine.stats["prefill_tokens"]

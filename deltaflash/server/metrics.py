@@ -45,6 +45,11 @@ class Metrics:
         self.lane_width = Histogram("deltaflash_lane_width", "Rows each lane of a round verified (1 + the drafts it "
                                     "could accept; 1: no drafting): the load-adaptive speculation's choice",
                                     buckets=buckets, registry=r)
+        self.prefill_tokens_per_step = Histogram("deltaflash_prefill_tokens_per_step",
+                                                 "Prompt tokens prefilled in a step that prefilled (the --prefill-chunk "
+                                                 "budget shared by the chunks of waiting prompts)",
+                                                 buckets=(1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+                                                 registry=r)
         self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.ttft = Histogram("deltaflash_time_to_first_token_seconds", "Submission to first generated token",
@@ -63,6 +68,7 @@ class Metrics:
     def observe_step(self, report: StepReport) -> None:
         if report.prefill_tokens:
             self.phase_seconds.labels(phase="prefill").observe(report.prefill_s)
+            self.prefill_tokens_per_step.observe(report.prefill_tokens)
         if report.decode_lanes:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
         for n in report.accepted_lengths:

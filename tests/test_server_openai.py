@@ -37,8 +37,8 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("openai"))
 
 
-def _serve(pair, tmp_path_factory, speculative: bool):
-    flags = ("--max-concurrency", str(SLOTS), "--max-queue", str(QUEUE), "--max-model-len", str(CONTEXT))
+def _serve(pair, tmp_path_factory, speculative: bool, *more: str):
+    flags = ("--max-concurrency", str(SLOTS), "--max-queue", str(QUEUE), "--max-model-len", str(CONTEXT), *more)
     log = tmp_path_factory.mktemp("log") / "server.log"
     proc = ServerProcess(pair[0], log, *flags, draft=pair[1] if speculative else None)
     return proc
@@ -66,7 +66,7 @@ def completion(server, **kw):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0} | kw
     extra = {k: body.pop(k) for k in list(body) if k in ("ignore_eos", "return_token_ids", "min_tokens",
                                                           "repetition_penalty", "min_p", "guided_regex",
-                                                          "guided_choice", "structured_outputs")}
+                                                          "guided_choice", "structured_outputs", "tree_budget")}
     return client(server).completions.create(extra_body=extra, **body)
 
 
@@ -333,3 +333,20 @@ def test_regex_choice_and_grammar_outputs_match(spec):
     grammar = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
     r = completion(spec, seed=4, temperature=1.0, max_tokens=120, structured_outputs={"grammar": grammar})
     assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", r.choices[0].text), r.choices[0].text
+
+
+def test_tree_speculation_server_and_per_request_budgets(pair, plain, tmp_path_factory):
+    """`serve --tree-budget 8`: greedy output equals target-only's, whatever budget a request asks for
+    (the extension field, capped at the server's); a budget outside [1, 64] is a 400 naming it."""
+    trees = _serve(pair, tmp_path_factory, True, "--tree-budget", "8", "--tree-top-k", "3")
+    try:
+        want = completion(plain, max_tokens=16, ignore_eos=True, return_token_ids=True).choices[0].token_ids
+        for budget in (None, 1, 4, 64):
+            extra = {} if budget is None else {"tree_budget": budget}
+            got = completion(trees, max_tokens=16, ignore_eos=True, return_token_ids=True, **extra)
+            assert got.choices[0].token_ids == want, budget
+        with httpx.Client(base_url=trees.url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "tree_budget": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tree_budget"
+    finally:
+        assert trees.stop() == 0, trees.log.read_text()

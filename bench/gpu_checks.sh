@@ -6,7 +6,7 @@
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx
-# treeround treedemo. LIMIT_<STEP>=seconds
+# treeround treedemo invariance savecache. PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `first` starts `deltaflash serve` (bundled pair) and times its start-up and first ten requests.
@@ -24,6 +24,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # fla-core (and dflash for the reference
     export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+# Triton's compile cache travels between calls (a fresh machine otherwise recompiles every kernel): the
+# `savecache` step writes it as OUT/triton-cache.tgz.part-* (15 MB pieces: the device returns files of
+# 16 MiB at most); copy those to .tcache/ (git-ignored) and carry .tcache.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .tcache/triton-cache.tgz.part-* >/dev/null 2>&1; then
+    cat .tcache/triton-cache.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR"
+fi
 T0=$(date +%s)
 
 run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds it took
@@ -38,10 +46,14 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
 
 for step in "$@"; do
     case $step in
-        tests) run tests 300 python3 -m pytest -q ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
+        tests) run tests 300 python3 -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
                    tests/test_ops_moe.py tests/test_ops_attention.py tests/test_gpu_graphs.py} ;;
-        spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q tests/test_spec.py \
-                  tests/test_spec_sampling.py tests/test_engine.py tests/test_pages.py ;;
+        spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q ${PYTEST_ARGS:-} tests/test_spec.py \
+                  tests/test_spec_sampling.py tests/test_engine.py tests/test_pages.py tests/test_tree.py \
+                  tests/test_policy.py ;;
+        savecache) tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz.part-" &&
+                   ls -la "$OUT"/triton-cache.tgz.part-* | tee -a "$LOG" ;;
+        invariance) run invariance 150 python3 bench/batch_invariance.py ;;
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
         tune) run tune 120 python3 bench/tune_verify.py ;;
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;

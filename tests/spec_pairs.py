@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import Qwen3Config
 
+from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.engine import Engine
 from deltaflash.models.dflash import load_drafter
@@ -73,6 +74,26 @@ def give_pages(engine, slot: int, tokens: int) -> None:
     """Map pages for positions 0..tokens-1 of `slot`, as the scheduler does for a sequence it admits
     (for tests that drive the model on the engine's pool directly)."""
     engine.pool.tables.map(engine.scheduler.pages.grow(slot, tokens))
+
+
+def assert_greedy_equal(target_dir, batch, got, want, margin: float = 1e-3, **config) -> None:
+    """Greedy outputs `got` == `want`, for runs whose prefill was scheduled differently (other chunks,
+    other batch mates, preemption and recompute). On the CPU exactly. On a GPU a chunked prefill is not
+    the same arithmetic as decoding those tokens (GEMMs of other shapes, the chunked GDN form), so the two
+    may part at a near-tie: where they first differ, both tokens must be the target's top two there with
+    log probabilities within `margin` (a wrong token loses by far more than rounding)."""
+    if DEVICE == "cpu":
+        assert got == want
+        return
+    config = {"max_model_len": 256} | config
+    for prompt, a, b in zip(batch, got, want):
+        if a == b:
+            continue
+        i = next(n for n, (x, y) in enumerate(zip(a, b)) if x != y)
+        done, _ = engine_for(target_dir, **config).generate([prompt + b[:i]], SamplingParams(max_new_tokens=1, logprobs=2))
+        top = dict(done[0].logprobs[0].top)
+        assert {a[i], b[i]} <= set(top), f"token {i}: {a[i]} vs {b[i]}, the target's top two are {top}"
+        assert abs(top[a[i]] - top[b[i]]) < margin, f"token {i}: {a[i]} vs {b[i]} is no near-tie: {top}"
 
 
 def prompts(vocab: int, lengths, seed: int = 0):

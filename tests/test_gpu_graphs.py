@@ -13,6 +13,7 @@ from deltaflash.engine.graphs import LaneGraphs
 from deltaflash.models.loader import load_model
 from deltaflash.speculative.sources import ScriptedSource
 from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.spec_pairs import give_pages
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,6 +39,8 @@ def test_graph_replay_equals_eager(folder, dtype):
     engine = Engine(model, config=EngineConfig(max_slots=6, max_model_len=128), draft_source=source)
     seqs = decoding(engine, [[5, 6, 7], list(range(1, 30)), list(range(40, 51))])[::-1]  # permuted lanes
     runner, W = engine.runner, 5
+    for s in seqs:  # pages for the rows verified here, as the scheduler grants them for a round
+        give_pages(engine, s.slot, s.position + W)
     ids = torch.randint(0, 96, (3, W), generator=torch.Generator().manual_seed(0)).cuda()
     slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
     start = torch.tensor([s.position for s in seqs], device="cuda")
@@ -58,8 +61,8 @@ def test_every_graph_is_captured_at_start_and_none_inside_requests(folder, monke
     engine = Engine(model, config=EngineConfig(max_slots=5, max_model_len=128),
                     draft_source=ScriptedSource({}, 4, 96))
     graphs = engine.runner.graphs
-    assert graphs.buckets == (1, 2, 4, 8)
-    assert {g.name for g in graphs.functions} == {"verify W=1", "verify W=4"}
+    assert graphs.buckets == (1, 2, 4, 8) and engine.config.widths == (1, 2, 4)  # adaptive: 1, then powers of 2
+    assert {g.name for g in graphs.functions} == {"verify W=1", "verify W=2", "verify W=4"}
     assert all(set(g.graphs) == set(graphs.buckets) for g in graphs.functions)
     assert engine.startup_s > 0
 

@@ -57,27 +57,27 @@ def lanes(T, nh, nkv, hd, page, dtype, context, seed, mode="causal", pad_lane=Tr
                 n_rows=to(n_rows), tree_mask=None if tree is None else to(tree))
 
 
-CASES = [  # (T, nh, nkv, hd, page, context per lane, mode, window, splits)
-    (1, 4, 2, 64, 4, [9, 3, 0, 17], "causal", None, 1),       # decode rows, GQA 2
-    (1, 8, 2, 64, 16, [40, 5, 70], "causal", None, 4),        # flash-decoding over 4 splits
-    (5, 4, 4, 64, 4, [7, 2, 12], "causal", None, 1),          # a block crossing pages smaller than itself
-    (5, 6, 3, 64, 5, [11, 0, 4], "causal", None, 3),          # odd page size, empty splits at short lanes
-    (12, 8, 2, 128, 8, [3, 21, 0], "causal", None, 2),        # prefill-like chunk, GQA 4, dk 128
-    (5, 4, 2, 64, 4, [6, 13, 1], "full", None, 1),            # the drafter's non-causal block
-    (12, 4, 2, 64, 4, [9, 2, 30], "tree", None, 1),           # tree masks
-    (12, 4, 1, 64, 8, [20, 5, 33], "tree", None, 3),
-    (5, 4, 2, 64, 4, [19, 8, 2], "causal", 6, 2),             # sliding window (the drafter's causal layers)
-    (5, 4, 2, 64, 4, [19, 8, 2], "full", 4, 1),               # window in both directions
+CASES = [  # (T, nh, nkv, hd, page, context per lane, mode, window, split_keys: None = one piece here)
+    (1, 4, 2, 64, 4, [9, 3, 0, 17], "causal", None, None),    # decode rows, GQA 2
+    (1, 8, 2, 64, 16, [40, 5, 130], "causal", None, 64),      # flash-decoding over 3 pieces
+    (5, 4, 4, 64, 4, [7, 2, 12], "causal", None, None),       # a block crossing pages smaller than itself
+    (5, 6, 3, 64, 5, [11, 0, 70], "causal", None, 64),        # odd page size, empty pieces at short lanes
+    (12, 8, 2, 128, 8, [3, 81, 0], "causal", None, 64),       # prefill-like chunk, GQA 4, dk 128
+    (5, 4, 2, 64, 4, [6, 13, 1], "full", None, None),         # the drafter's non-causal block
+    (12, 4, 2, 64, 4, [9, 2, 30], "tree", None, None),        # tree masks
+    (12, 4, 1, 64, 8, [20, 5, 73], "tree", None, 64),
+    (5, 4, 2, 64, 4, [69, 8, 2], "causal", 6, 64),            # sliding window (the drafter's causal layers)
+    (5, 4, 2, 64, 4, [19, 8, 66], "full", 4, None),           # window in both directions
 ]
 
 
-@pytest.mark.parametrize("T,nh,nkv,hd,page,context,mode,window,splits", CASES,
+@pytest.mark.parametrize("T,nh,nkv,hd,page,context,mode,window,split_keys", CASES,
                          ids=[f"T{c[0]} nh{c[1]}/{c[2]} hd{c[3]} page{c[4]} {c[6]} w{c[7]} s{c[8]}" for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=["fp32", "half"])
-def test_kernel_matches_reference(T, nh, nkv, hd, page, context, mode, window, splits, dtype):
+def test_kernel_matches_reference(T, nh, nkv, hd, page, context, mode, window, split_keys, dtype):
     args = lanes(T, nh, nkv, hd, page, dtype, context, seed=T * 7 + page, mode=mode)
     options = dict(scale=hd ** -0.5, mode=mode, window=window)
-    got = paged_attention(**args, **options, splits=splits)
+    got = paged_attention(**args, **options, split_keys=split_keys)
     want = paged_attention_ref(**args, **options)
     valid = (torch.arange(T, device=DEVICE)[None] < args["n_rows"][:, None])
     assert torch.isfinite(got[valid]).all() and torch.isfinite(want[valid]).all()
@@ -88,10 +88,37 @@ def test_kernel_matches_reference(T, nh, nkv, hd, page, context, mode, window, s
 
 
 def test_splits_do_not_change_the_result():
-    args = lanes(1, 4, 2, 64, 4, torch.float32, [50, 7, 23], seed=3)
-    outs = [paged_attention(**args, scale=0.125, splits=s) for s in (1, 2, 5, 16)]
+    args = lanes(1, 4, 2, 64, 4, torch.float32, [150, 7, 23], seed=3)
+    outs = [paged_attention(**args, scale=0.125, split_keys=s) for s in (None, 64, 128)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("split_keys", [None, 64])
+def test_a_rows_bits_do_not_depend_on_the_batch(split_keys):
+    """Row t of a lane's verify block, the same row in a shorter block, and the same position decoded
+    alone (one row, its block's earlier keys committed) in a launch of one lane: equal to the bit, as
+    speculative == target-only greedy needs (ops/attention/paged.py: batch invariance). The last needs
+    the GPU: under the interpreter numpy's BLAS rounds a product by the row's place in the tile."""
+    T, context = 6, [70, 9, 131]
+    args = lanes(T, 4, 2, 64, 4, torch.float32, context, seed=8)
+    options = dict(scale=0.125, split_keys=split_keys)
+    block = paged_attention(**args, **options)
+    valid = args["n_rows"].tolist()  # the last lane has fewer valid rows
+    for t in range(T):
+        shorter = paged_attention(**(args | {"q": args["q"][:, :t + 1].contiguous(),
+                                             "n_rows": args["n_rows"].clamp(max=t + 1)}), **options)
+        for i, ctx in enumerate(context):
+            if t >= valid[i]:
+                continue
+            assert torch.equal(shorter[i, t], block[i, t])
+            if INTERPRETED:
+                continue
+            alone = paged_attention(**(args | {"q": args["q"][i:i + 1, t:t + 1].contiguous(),
+                                               "slot_ids": args["slot_ids"][i:i + 1],
+                                               "context_lens": torch.tensor([ctx + t], device=DEVICE),
+                                               "n_rows": torch.ones(1, dtype=torch.long, device=DEVICE)}), **options)
+            assert torch.equal(alone[0, 0], block[i, t])
 
 
 def test_reference_reads_a_bounded_table_alike():

@@ -15,7 +15,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.errors import DeltaflashError, PagesExhaustedError, RequestError
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.speculative.sources import ScriptedSource
-from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
+from tests.spec_pairs import DEVICE, assert_greedy_equal, engine_for, make_pair, prompts
 
 BLOCK = 6
 
@@ -81,7 +81,7 @@ def test_preempted_sequences_resume_exactly(pair, speculative):
     roomy = greedy(engine_for(pair[0], draft, **config), batch, new=40)
     tight = engine_for(pair[0], draft, kv_cache_memory=26 * page_bytes(pair[0], draft, page_size=4), **config)
     assert tight.runner.page_plan.num_pages == 26
-    assert greedy(tight, batch, new=40) == roomy
+    assert_greedy_equal(pair[0], batch, greedy(tight, batch, new=40), roomy)
     assert tight.stats["preemptions"] > 0 and all_free(tight)
 
 
@@ -97,7 +97,7 @@ def test_requests_beyond_the_pool_wait_for_pages(pair):
     assert tight.num_live < 8 and len(tight.scheduler.waiting) > 0  # 4 pages per prompt: at most 5 admitted
     while tight.has_work():
         tight.step()
-    assert greedy(tight, batch, new=8) == greedy(engine_for(pair[0], **config), batch, new=8)
+    assert_greedy_equal(pair[0], batch, greedy(tight, batch, new=8), greedy(engine_for(pair[0], **config), batch, new=8))
     assert all_free(tight)
 
 

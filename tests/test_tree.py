@@ -40,7 +40,7 @@ def record_off_chain(monkeypatch) -> list[int]:
 
     def recording(logits, tree, *args, **kwargs):
         acc = real(logits, tree, *args, **kwargs)
-        steps = torch.arange(acc.path.shape[1])[None] <= acc.counts[:, None]
+        steps = torch.arange(acc.path.shape[1], device=acc.counts.device)[None] <= acc.counts[:, None]
         seen.append(int(((tree.rank.gather(1, acc.path) > 0) & steps).sum()))
         return acc
 

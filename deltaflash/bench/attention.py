@@ -14,7 +14,7 @@ import torch
 from deltaflash.bench.common import copy_bandwidth_gbs, graph_ms, machine, print_table, write_json
 from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, pages_for
 from deltaflash.ops.attention.naive import paged_attention_ref
-from deltaflash.ops.attention.paged import default_splits, paged_attention
+from deltaflash.ops.attention.paged import paged_attention, split_keys_for
 
 NH, NKV, HD = 16, 4, 256
 
@@ -44,7 +44,7 @@ def run(args) -> dict:
                 roofline_ms = (kv_bytes + 2 * call["q"].numel() * 2) / (bw * 1e9) * 1e3
                 kernel_ms = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5))
                 row = {"context": context, "lanes": lanes, "rows": rows,
-                       "splits": default_splits(lanes, NKV, rows, NH // NKV, HD, context + rows, "cuda"),
+                       "split_keys": split_keys_for(call["block_tables"].shape[1] * args.page_size),
                        "kernel_ms": kernel_ms, "roofline_ms": roofline_ms, "kernel/roofline": kernel_ms / roofline_ms}
                 gathered = lanes * pages_for(context + rows, args.page_size) * args.page_size * 2 * NKV * HD * 2
                 if gathered < 8 << 30:

@@ -4,15 +4,19 @@ Reference and contract: naive.py; the math and the choices: README.md. One progr
 tile of BM query rows, split of the key range). The query heads that share a kv head are stacked as
 rows (row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv
 head. A program walks its keys in tiles of BN, gathering each key's page from the lane's block table
-(pages need not be as large as a tile), with an online softmax in fp32. With SPLITS > 1 the key range
-is cut into SPLITS parts (flash-decoding) and `combine_kernel` merges their partial results by
-log-sum-exp; the cut is computed in the kernel from each lane's own length, so a CUDA graph captured
-with a fixed SPLITS replays for any lengths.
+(pages need not be as large as a tile), with an online softmax in fp32. The key range is cut at fixed
+multiples of `split_keys` (flash-decoding: one program per piece, `combine_kernel` merges them by
+log-sum-exp; a piece past a lane's length exits at once, so a CUDA graph captured for the table's
+capacity replays for any lengths).
+
+Batch invariance: a row's result is the same bits whatever rows, lanes and lengths share the launch.
+BM is fixed per head shape, key tiles and splits start at fixed multiples of BN and `split_keys`, and
+a tile a row cannot see leaves its running max, sum and accumulator exactly as they were; the split
+size is a function of the table's capacity alone. So a verify row, a decode row and a tree node at the
+same position give the same logits, and speculative greedy output is target-only's to the bit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -22,6 +26,7 @@ from deltaflash.ops.attention.naive import MODES
 
 _MODE_IDS = {name: i for i, name in enumerate(MODES)}  # causal 0, full 1, tree 2
 MAX_SPLITS = 16
+MIN_SPLIT_KEYS = 256
 
 
 @triton.jit
@@ -29,7 +34,7 @@ def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
     stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     stride_bt, stride_o_l, stride_o_t, stride_o_h,
-    T, NKV, page_size, scale, window, M_PAD,
+    T, NKV, page_size, scale, window, M_PAD, split_keys,
     REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -59,18 +64,18 @@ def paged_attention_kernel(
     if WINDOWED:
         lo = tl.maximum(ctx + t_lo - window + 1, 0)
         hi = tl.minimum(hi, ctx + t_hi + window)
-    # this split's share of them, in whole tiles
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BN), SPLITS) * BN
-    s_lo = lo + i_s * per_split
-    s_hi = tl.minimum(hi, s_lo + per_split)
+    # this split's share of them: keys [i_s, i_s + 1) * split_keys, walked in tiles at multiples of BN
+    s_lo = tl.maximum(lo, i_s * split_keys)
+    s_hi = tl.minimum(hi, (i_s + 1) * split_keys)
+    t_start = (s_lo // BN) * BN
 
     b_max = tl.full([BM], float("-inf"), tl.float32)
     b_sum = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     p_table = block_tables + tl.maximum(slot, 0).to(tl.int64) * stride_bt
-    for start in range(s_lo, s_hi, BN):
+    for start in range(t_start, s_hi, BN):
         o_n = start + tl.arange(0, BN)
-        m_n = o_n < s_hi
+        m_n = (o_n >= s_lo) & (o_n < s_hi)
         page = tl.load(p_table + o_n // page_size, mask=m_n, other=0).to(tl.int64)
         row = (o_n % page_size).to(tl.int64)
         m_kv = m_n[:, None] & m_d[None, :]
@@ -115,7 +120,8 @@ def paged_attention_kernel(
         tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     else:
         i_part = (i_lg.to(tl.int64) * SPLITS + i_s) * M_PAD + o_m
-        tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o)
+        if s_lo < s_hi:
+            tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o)
         tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")))
 
 
@@ -138,7 +144,9 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     b_den = tl.zeros([BM], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         b_w = tl.exp(tl.load(part_lse + base + s * M_PAD + o_m) - b_top)
-        b_num += b_w[:, None] * tl.load(part_out + (base + s * M_PAD + o_m)[:, None] * BD + o_d[None, :])
+        b_part = tl.load(part_out + (base + s * M_PAD + o_m)[:, None] * BD + o_d[None, :],
+                         mask=(b_w > 0)[:, None], other=0.0)  # an empty split wrote no output rows
+        b_num += b_w[:, None] * b_part
         b_den += b_w
     b_o = b_num / tl.where(b_den > 0, b_den, 1.0)[:, None]
     p_o = (out + i_l * stride_o_l + o_t[:, None].to(tl.int64) * stride_o_t
@@ -146,33 +154,29 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=(o_t < T)[:, None] & (o_d < HD)[None, :])
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def tiles(T: int, rep: int, head_dim: int) -> tuple[int, int]:
-    """(BM query rows, BN keys) per program: rows of one kv head up to 64; key tiles of 32, or 16 for heads
-    wider than 128 (sm_90 ptxas: no spills at hd 64 / 128 with trees, 0-28 bytes at hd 256 x 64 rows;
-    `bench/attention_registers.py`)."""
-    return max(16, min(64, triton.next_power_of_2(T * rep))), 32 if head_dim <= 128 else 16
+    """(BM query rows, BN keys) per program: 64 rows of one kv head whatever T (a fixed BM keeps a row's
+    products on the same instructions at every batch shape: module docstring); key tiles of 32, or 16
+    for heads wider than 128 (sm_90 ptxas: no spills at hd 64 / 128 with trees, 0-28 bytes at hd 256 x
+    64 rows; `bench/attention_registers.py`)."""
+    return 64, 32 if head_dim <= 128 else 16
 
 
-def default_splits(lanes: int, kv_heads: int, T: int, rep: int, head_dim: int, max_keys: int, device) -> int:
-    """Splits of the key range so that about two programs run per multiprocessor (flash-decoding
-    when lanes x kv heads x row tiles are few), each split at least four key tiles of `max_keys`."""
-    BM, BN = tiles(T, rep, head_dim)
-    programs = lanes * kv_heads * triton.cdiv(T * rep, BM)
-    want = triton.cdiv(2 * _multiprocessors(torch.device(device)), programs)
-    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_keys, 4 * BN)))
+def split_keys_for(max_keys: int) -> int:
+    """Keys per split for a table of `max_keys` positions: about MAX_SPLITS pieces of its capacity (a
+    power of two, at least MIN_SPLIT_KEYS), so one lane's long context spreads over many programs while
+    short contexts stay one piece. A function of the capacity alone (batch invariance)."""
+    floor_pow2 = 1 << max(int(max_keys).bit_length() - 1, 0)
+    return max(MIN_SPLIT_KEYS, floor_pow2 // MAX_SPLITS)
 
 
 def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
-                        mode: str, tree_mask, window: int | None, splits: int, out: torch.Tensor) -> torch.Tensor:
+                        mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor) -> torch.Tensor:
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
     BM, BN = tiles(T, rep, hd)
+    splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     m_tiles = triton.cdiv(T * rep, BM)
     M_PAD = m_tiles * BM
@@ -187,7 +191,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         q if tree_mask is None else tree_mask, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        T, nkv, key_pages.shape[1], scale, window or 0, M_PAD,
+        T, nkv, key_pages.shape[1], scale, window or 0, M_PAD, split_keys,
         REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLITS=splits,
         IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4,
     )
@@ -200,9 +204,11 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
 def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, block_tables: torch.Tensor,
                     slot_ids: torch.Tensor, context_lens: torch.Tensor, n_rows: torch.Tensor | None = None, *,
                     scale: float, mode: str = "causal", tree_mask: torch.Tensor | None = None,
-                    window: int | None = None, max_pages: int | None = None, splits: int | None = None) -> torch.Tensor:
+                    window: int | None = None, max_pages: int | None = None,
+                    split_keys: int | None = None) -> torch.Tensor:
     """naive.paged_attention_ref reading the pages in place (same arguments; `max_pages` is not needed:
-    each lane reads up to its own length). splits: key-range splits (None: `default_splits`)."""
+    each lane reads up to its own length). split_keys: keys per flash-decoding split, a multiple of 64
+    (None: `split_keys_for` the table's capacity)."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:
@@ -220,10 +226,12 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
         if t.shape != (L,):
             raise ValueError(f"{name} must be [{L}], got {tuple(t.shape)}")
     n_rows = torch.full_like(context_lens, T) if n_rows is None else n_rows
-    splits = splits or default_splits(L, nkv, T, nh // nkv, hd, block_tables.shape[1] * page_size, q.device)
+    split_keys = split_keys or split_keys_for(block_tables.shape[1] * page_size)
+    if split_keys % 64:
+        raise ValueError(f"split_keys must be a multiple of 64, got {split_keys}")
     out = torch.empty_like(q)
     if L == 0 or T == 0:
         return out
     mask = None if tree_mask is None else tree_mask.to(torch.int8).contiguous()
     return paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens.long(), n_rows.long(),
-                               scale, mode, mask, window, splits, out)
+                               scale, mode, mask, window, split_keys, out)

@@ -126,10 +126,12 @@ def group_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, BM: int) -> 
 
 def moe_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BM, BN, BK). 16-row blocks while experts average under 32 pairs (decode: padding would
-    dominate larger blocks), 64-row blocks beyond (prefill); fp32 tiles stay narrower for shared memory."""
+    dominate larger blocks), 64-row blocks beyond (prefill). BK is 64 for both, so a token's products
+    are summed in the same pieces whichever block size its batch gets (batch invariance: a verify row
+    and a decode row give the same bits)."""
     if num_pairs < 32 * num_experts:
         return 16, 64, 64
-    return (64, 128, 64) if dtype.itemsize <= 2 else (64, 64, 32)
+    return (64, 128, 64) if dtype.itemsize <= 2 else (64, 64, 64)
 
 
 def fused_moe_fwd(x, topk_weights, topk_ids, gate_up_proj, down_proj) -> torch.Tensor:

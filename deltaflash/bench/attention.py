@@ -46,6 +46,8 @@ def run(args) -> dict:
                 row = {"context": context, "lanes": lanes, "rows": rows,
                        "split_keys": split_keys_for(call["block_tables"].shape[1] * args.page_size),
                        "kernel_ms": kernel_ms, "roofline_ms": roofline_ms, "kernel/roofline": kernel_ms / roofline_ms}
+                for keys in args.split_keys:  # other split sizes, for choosing split_keys_for's rule
+                    row[f"ms@{keys}"] = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5, split_keys=keys))
                 gathered = lanes * pages_for(context + rows, args.page_size) * args.page_size * 2 * NKV * HD * 2
                 if gathered < 8 << 30:
                     ref_ms = graph_ms(lambda: paged_attention_ref(**call, scale=HD ** -0.5), reps=3, trials=3)
@@ -66,5 +68,7 @@ def register(sub) -> None:
     p.add_argument("--lanes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="query rows per lane (1: decode, W: verify)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--split-keys", type=int, nargs="*", default=[],
+                   help="also time these keys per split (multiples of 64) beside the default rule's")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

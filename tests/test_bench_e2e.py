@@ -7,6 +7,7 @@ import json
 import pytest
 
 from deltaflash.bench import e2e, e2e_stats
+from deltaflash.core.request import SamplingParams
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 
@@ -130,3 +131,28 @@ def test_compare_reports_where_each_sequence_first_differs():
     assert points[0]["first_differences"] == [
         {"sequence": 1, "position": 2, "spec": 9, "target_only": 6},
         {"sequence": 2, "position": 2, "spec": None, "target_only": 8}]
+
+
+def test_explain_tells_near_ties_from_wrong_tokens(tmp_path):
+    """At a first difference the target's top two tokens and their log-prob gap are reported; a near-tie
+    only when both tokens are the top two and the gap is under the margin."""
+    from tests.spec_pairs import engine_for, make_pair
+
+    target, _ = make_pair(tmp_path)
+    engine = engine_for(target, max_model_len=64)
+    prompt = [3, 14, 15, 92]
+    done, _ = engine.generate([prompt], SamplingParams(max_new_tokens=3, logprobs=5))
+    out, top = done[0].token_ids, dict(done[0].logprobs[1].top)
+    ranked = sorted(top, key=lambda t: -top[t])
+    second, fifth = ranked[1], ranked[4]
+    for spec_token, margin, near in ((second, 1e9, True), (second, 0.0, False), (fifth, 1e9, False)):
+        points = [{"mode": "spec"}, {"mode": "target-only"}]
+        e2e_stats.compare(points, [out[:1] + [spec_token]], [out[:2]])
+        e2e_stats.explain(points, engine, [prompt], [out[:2]], margin)
+        d = points[0]["first_differences"][0]
+        assert d["position"] == 1 and d["top2"][0][0] == out[1]
+        assert d["near_tie"] is near and points[1]["near_tie_sequences"] == int(near)
+        if spec_token == second:
+            assert abs(d["gap"] - (top[out[1]] - top[second])) < 1e-5
+        else:
+            assert d["gap"] is None

@@ -61,8 +61,8 @@ def test_every_graph_is_captured_at_start_and_none_inside_requests(folder, monke
     engine = Engine(model, config=EngineConfig(max_slots=5, max_model_len=128),
                     draft_source=ScriptedSource({}, 4, 96))
     graphs = engine.runner.graphs
-    assert graphs.buckets == (1, 2, 4, 8) and engine.config.widths == (1, 2, 4)  # adaptive: 1, then powers of 2
-    assert {g.name for g in graphs.functions} == {"verify W=1", "verify W=2", "verify W=4"}
+    assert graphs.buckets == (1, 2, 4, 8) and engine.config.widths == (1, 4)  # speculation "auto": fixed on CUDA
+    assert {g.name for g in graphs.functions} == {"verify W=1", "verify W=4"}
     assert all(set(g.graphs) == set(graphs.buckets) for g in graphs.functions)
     assert engine.startup_s > 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from deltaflash.bench.common import copy_bandwidth_gbs, machine, write_json
-from deltaflash.bench.e2e_stats import compare, latency_summary, report
+from deltaflash.bench.e2e_stats import compare, explain, latency_summary, report
 from deltaflash.bundled import BUNDLED
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
@@ -248,10 +248,18 @@ def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, ba
             if bar is not None:
                 bar.update()
         compare(points[-2:], outputs[(c, "spec")], outputs[(c, "target-only")])
+        explain(points[-2:], engines["target-only"], workload.prompts, outputs[(c, "target-only")],
+                near_tie_margin(engines["target-only"]))
     return {"workload": workload.name, "label": workload.label, "block_size": workload.block_size,
             "tree_budget": workload.meta.get("tree_budget", 0),
             "max_new_tokens": workload.params.max_new_tokens, "prompts": len(workload.prompts),
             "meta": workload.meta, "points": points, "figures": figures(points, workload)}
+
+
+def near_tie_margin(engine: Engine) -> float:
+    """Log-probability gap under which two tokens count as tied by rounding: a few units of the last place
+    of the model's logits (bf16 / fp16 logits of magnitude ~10-30 step by 1/16-1/8; fp32 by ~1e-6)."""
+    return 0.25 if engine.runner.dtype in (torch.bfloat16, torch.float16) else 1e-3
 
 
 def figures(points: list[dict], workload: Workload) -> dict:
@@ -307,8 +315,10 @@ def run(args) -> int:
         write_json(out / f"e2e-{workload.name}.json", result)
     for path in plot(result, out):
         print(f"wrote {path}")
-    mismatches = sum(p["mismatched_sequences"] for p in result["points"] if p["mode"] == "spec")
-    return 0 if mismatches == 0 else 1
+    # a difference at a near-tie is rounding of differently shaped batches, reported but not a failure
+    unexplained = sum(p["mismatched_sequences"] - p.get("near_tie_sequences", 0)
+                      for p in result["points"] if p["mode"] == "spec")
+    return 0 if unexplained == 0 else 1
 
 
 def register(sub) -> None:
@@ -323,8 +333,8 @@ def register(sub) -> None:
     p.add_argument("--draft", default=None, help="demo: drafter folder (default: the bundled drafter)")
     p.add_argument("--block-size", type=int, default=0, help="W (default: the drafter's; scripted: 16)")
     p.add_argument("--tree-budget", type=int, default=0, help="speculate with draft trees of N nodes (0: chains)")
-    p.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
-                   help="round widths chosen by load and acceptance, or always the block")
+    p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
+                   help="round widths chosen by load and acceptance, always the block, or auto: adaptive on CPU, fixed on CUDA")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")

@@ -45,9 +45,30 @@ def compare(points: list[dict], spec: list[list[int]], plain: list[list[int]]) -
         p["first_differences"] = first
 
 
+def explain(points: list[dict], engine, prompts: list[list[int]], outputs: list[list[int]], margin: float) -> None:
+    """For each first difference of a point, the target's two most likely tokens there (one request alone
+    on `engine`, target-only, over the prompt and the common prefix) and the gap between their log
+    probabilities: `near_tie` when both tokens are those two and the gap is under `margin` (rounding of a
+    differently shaped batch can flip such a choice; a wrong token loses by far more)."""
+    from deltaflash.core.request import SamplingParams
+
+    for d in points[0].get("first_differences", []):
+        prompt = prompts[d["sequence"] % len(prompts)]
+        prefix = outputs[d["sequence"]][:d["position"]]
+        done, _ = engine.generate([prompt + prefix], SamplingParams(max_new_tokens=1, logprobs=2))
+        top = dict(done[0].logprobs[0].top)
+        pair = [t for t in (d["spec"], d["target_only"]) if t is not None]
+        gap = abs(top[pair[0]] - top[pair[1]]) if len(pair) == 2 and set(pair) <= set(top) else None
+        d["top2"] = sorted(top.items(), key=lambda kv: -kv[1])
+        d["gap"] = gap
+        d["near_tie"] = gap is not None and gap < margin
+    for p in points:
+        p["near_tie_sequences"] = sum(d.get("near_tie", False) for d in p.get("first_differences", []))
+
+
 TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
               "mean_accepted_length", "ttft_p50_ms",
-              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences")
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences", "near_tie_sequences")
 
 
 def report(result: dict) -> None:
@@ -59,8 +80,10 @@ def report(result: dict) -> None:
     for p in result["points"]:
         if p["mode"] == "spec":
             for d in p.get("first_differences", []):
+                gap = f"; log-prob gap {d['gap']:.4f}" if d.get("gap") is not None else ""
                 print(f"  C={p['concurrency']}: sequence {d['sequence']} first differs at output token {d['position']} "
-                      f"(speculative {d['spec']}, target-only {d['target_only']})")
+                      f"(speculative {d['spec']}, target-only {d['target_only']}{gap}"
+                      f"{', a near-tie' if d.get('near_tie') else ''})")
 
 
 def _shares_cell(point: dict) -> dict:

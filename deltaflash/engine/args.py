@@ -16,9 +16,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint folder of the target (default: the bundled demo pair)")
     p.add_argument("--draft", help="DFlash / DFlash2 drafter folder (enables speculative decoding)")
     p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
-    p.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
+    p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
                    help="adaptive: each round verifies the width (1, powers of two, the block) that maximises expected "
-                        "tokens per second from the lanes' acceptance and the measured round cost; fixed: the block")
+                        "tokens per second from the lanes' acceptance and the measured round cost; fixed: the block; "
+                        "auto (default): adaptive on CPU, fixed on CUDA (where adaptive measured slower)")
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")

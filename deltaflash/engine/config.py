@@ -43,7 +43,9 @@ class EngineConfig:
     tree_top_k: candidates per depth a tree may branch into.
     speculation: "adaptive" = each round verifies the width (1, powers of two, the block) that maximises
         expected tokens per second from the lanes' acceptance so far and the measured cost of a round
-        (speculative/policy.py); "fixed" = always the block. Trees always use their budget.
+        (speculative/policy.py); "fixed" = always the block; "auto" = adaptive on CPU, fixed on CUDA
+        (the H200 demo sweep of 2026-12-02 measured adaptive behind fixed at C = 4-64: docs/benchmarks.md).
+        Trees always use their budget.
     block_size: W, rows a speculating lane verifies; 0 = the drafter's own; resolved to 1 without a drafter.
     kernels: "triton" (fused kernels) or "reference" (pure torch); "auto" = triton on CUDA unless
         DELTAFLASH_NO_FUSED_KERNELS=1, reference on CPU.
@@ -60,7 +62,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tree_budget: int = 0
     tree_top_k: int = 4
-    speculation: str = "adaptive"
+    speculation: str = "auto"
     block_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool | None = None
@@ -97,8 +99,9 @@ class EngineConfig:
             block = self.block_size or drafter_block
             if block < 2:
                 raise DeltaflashError(f"block size must be >= 2 to speculate, got {block}")
-        if self.speculation not in ("adaptive", "fixed"):
-            raise DeltaflashError(f"speculation must be 'adaptive' or 'fixed', got {self.speculation!r}")
+        if self.speculation not in ("adaptive", "fixed", "auto"):
+            raise DeltaflashError(f"speculation must be 'adaptive', 'fixed' or 'auto', got {self.speculation!r}")
+        speculation = self.speculation if self.speculation != "auto" else "fixed" if cuda else "adaptive"
         if self.tree_budget:
             from deltaflash.speculative.tree import max_nodes
 
@@ -110,7 +113,7 @@ class EngineConfig:
             if self.tree_budget > max_nodes(block - 1, self.tree_top_k, self.tree_budget):
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
-        return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block,
+        return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len)
 
     @property

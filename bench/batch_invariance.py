@@ -4,13 +4,13 @@ Speculative greedy output equals target-only's only if the target gives a row th
 it is verified with other rows and lanes or decoded alone. For the tiny test models (fp32 and bf16) this
 runs one lane's row 0 through the eager verify forward at several (lanes, rows) shapes with forward hooks
 on every module, and names the first module whose output for that row differs from the one-lane,
-one-row forward; then the cuBLAS products of the 9B shape, row 0 of M rows against M = 1.
+one-row forward, with cuBLAS and with the batch-invariant GEMM (ops/gemm); then the cuBLAS products of
+the 9B shape, row 0 of M rows against M = 1, and the invariant GEMM's speed against cuBLAS there.
     python bench/batch_invariance.py
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -82,10 +82,10 @@ def gdn_pieces(engine, L: int, W: int, slots) -> dict[str, torch.Tensor]:
     return {"projection": qkv[0, 0].float().cpu(), "conv": conv_out[0, 0].float().cpu(), "recurrence": o[0, 0].float().cpu()}
 
 
-def model_check(kind: str, dtype: torch.dtype, root: Path) -> None:
+def model_check(kind: str, dtype: torch.dtype, root: Path, invariant: bool = False) -> None:
     target = save_checkpoint(build_hf_model(kind, seed=3), root / f"{kind}")
     engine = Engine(load_model(target, device=DEVICE, dtype=dtype, progress=False),
-                    config=EngineConfig(max_slots=8, max_model_len=256, speculation="fixed"))
+                    config=EngineConfig(max_slots=8, max_model_len=256, speculation="fixed", batch_invariant=invariant))
     slots, batch = list(range(8)), prompts(96, [20, 7, 13, 30, 5, 9, 16, 11], seed=1)
     for s in slots:
         give_pages(engine, s, 256)
@@ -102,7 +102,7 @@ def model_check(kind: str, dtype: torch.dtype, root: Path) -> None:
         first = f"first differing module: {bad[0]} ({len(bad)} differ)" if bad else "all equal"
         steps = gdn_pieces(engine, L, W, slots)
         gdn = [n for n in steps if not torch.equal(steps[n], pieces[n])]
-        print(f"  {kind:9s} {str(dtype)[6:]:8s} L={L} W={W:2d}: logits max |diff| {diff:.3g}; {first}; "
+        print(f"  {kind:9s} {str(dtype)[6:]:8s} {'invariant GEMM' if invariant else 'cuBLAS/torch'} L={L} W={W:2d}: logits max |diff| {diff:.3g}; {first}; "
               f"GDN layer steps differing: {gdn or 'none'}")
 
 
@@ -118,14 +118,33 @@ def gemm_check() -> None:
             del w
 
 
+def gemm_speed() -> None:
+    """The batch-invariant GEMM against cuBLAS at the 9B shape's products (bf16), by do_bench."""
+    from triton.testing import do_bench
+
+    from deltaflash.ops.gemm.invariant import invariant_linear
+
+    print("bf16 products of the 9B shape, ms: cuBLAS F.linear / ops.gemm invariant_linear (ratio)")
+    for K, N in ((4096, 12288), (12288, 4096), (4096, 248320)):
+        w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) / K ** 0.5
+        cells = []
+        for M in (1, 16, 64, 256, 1024):
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
+            ours, theirs = do_bench(lambda: invariant_linear(x, w)), do_bench(lambda: F.linear(x, w))
+            cells.append(f"M={M}: {theirs:.3f} / {ours:.3f} ({ours / theirs:.2f}x)")
+        print(f"  K={K:5d} N={N:6d}  " + "; ".join(cells))
+
+
 def main() -> None:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}; tf32 matmul {torch.backends.cuda.matmul.allow_tf32}")
     if DEVICE == "cuda":
         gemm_check()
+        gemm_speed()
     with tempfile.TemporaryDirectory() as tmp:
         for kind, dtype in (("dense_gqa", torch.float32), ("moe", torch.float32), ("dense_gqa", torch.bfloat16)):
-            model_check(kind, dtype, Path(tmp))
+            for invariant in (False, True):
+                model_check(kind, dtype, Path(tmp), invariant)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,10 @@ def peaked_pair(root, vocab_size: int, variants=("dflash",), block_size: int = 4
 
 
 def engine_for(target_dir, draft_dir=None, draft_source=None, **config):
-    """Speculation at the full block by default ("fixed"): the tests of load-adaptive widths ask for them."""
-    config = {"max_slots": 8, "max_model_len": 256, "speculation": "fixed"} | config
+    """Speculation at the full block by default ("fixed"): the tests of load-adaptive widths ask for them.
+    On a GPU the target's products run batch-invariant (cuBLAS is not: docs/benchmarks.md), so greedy
+    speculative and target-only outputs are compared to the bit there too."""
+    config = {"max_slots": 8, "max_model_len": 256, "speculation": "fixed", "batch_invariant": DEVICE == "cuda"} | config
     model = load_model(target_dir, device=DEVICE, dtype=torch.float32, progress=False)
     drafter = None
     if draft_dir is not None:

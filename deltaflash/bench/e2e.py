@@ -83,7 +83,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
                           block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                          speculation=args.speculation)
+                          speculation=args.speculation, batch_invariant=args.batch_invariant)
 
     def engine(mode: str, profile: bool = False) -> Engine:
         spec = mode == "spec"
@@ -115,7 +115,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     W = args.block_size or 16
     config = EngineConfig(max_slots=max_slots, max_model_len=args.prompt_len + args.max_new_tokens + 1,
-                          prefill_chunk=4096)
+                          prefill_chunk=4096, batch_invariant=args.batch_invariant)
     spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                       speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
@@ -336,6 +336,8 @@ def register(sub) -> None:
     p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
                    help="round widths chosen by load and acceptance, always the block, or auto: adaptive on CPU, fixed on CUDA")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's products through the batch-invariant GEMM (ops/gemm) in both modes")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: each round verifies the width (1, powers of two, the block) that maximises expected "
                         "tokens per second from the lanes' acceptance and the measured round cost; fixed: the block; "
                         "auto (default): adaptive on CPU, fixed on CUDA (where adaptive measured slower)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's products through a batch-invariant Triton GEMM instead of cuBLAS, so a token's "
+                        "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
+                        "opt-in: its speed is not measured yet)")
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
@@ -99,5 +103,5 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
                                   max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
                                   page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                                   tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                                  speculation=args.speculation,
+                                  speculation=args.speculation, batch_invariant=args.batch_invariant,
                                   gpu_memory_utilization=args.gpu_memory_utilization, **config)

@@ -52,6 +52,9 @@ class EngineConfig:
     cuda_graphs: replay rounds from CUDA graphs captured at start; None = on CUDA unless
         DELTAFLASH_NO_CUDA_GRAPHS=1.
     sync_phase_timing: sync the device between round phases (profiling: exact phase times, slower).
+    batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
+        cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
+        model's layers are switched in place).
     """
 
     max_slots: int = 8
@@ -66,6 +69,7 @@ class EngineConfig:
     block_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool | None = None
+    batch_invariant: bool = False
     sync_phase_timing: bool = False
 
     def resolve(self, device: torch.device, drafter_block: int | None,

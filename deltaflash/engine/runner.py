@@ -25,6 +25,7 @@ from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import CudaGraphs, buckets_for
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
+from deltaflash.models.layers import use_batch_invariant_linears
 from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
 from deltaflash.speculative.grammar import lane_masks
@@ -77,6 +78,8 @@ class ModelRunner:
         holds when the length was not given (`max_model_len_given`; given, a pool too small for it is an
         error): `self.config` is the final config."""
         self.model, self.cfg = model, model.cfg
+        if config.batch_invariant:
+            use_batch_invariant_linears(model)
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
         self.kernels = kernels_named(config.kernels)

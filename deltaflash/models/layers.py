@@ -1,5 +1,6 @@
 """Building blocks of the Qwen3.5 text stack. Ops with a kernel (norms, MoE experts) run the
-implementation of the `Kernels` set passed to the forward (ops/kernels.py)."""
+implementation of the `Kernels` set passed to the forward (ops/kernels.py). Products run through each
+module's `linear` (F.linear; `use_batch_invariant_linears` swaps in ops/gemm's batch-invariant kernel)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaflash.ops.kernels import Kernels
+
+
+class BatchInvariantLinear(nn.Linear):
+    """nn.Linear through ops/gemm/invariant.py (what `use_batch_invariant_linears` turns a Linear into)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from deltaflash.ops.gemm.invariant import invariant_linear
+
+        return invariant_linear(x, self.weight, self.bias)
+
+
+def use_batch_invariant_linears(model: nn.Module) -> nn.Module:
+    """Every product of `model` (its nn.Linear layers, merged projections, router and lm_head) through
+    the batch-invariant Triton GEMM: a row's logits no longer depend on the rows it is batched with, on a
+    GPU as on the CPU interpreter. In place; returns the model."""
+    from deltaflash.ops.gemm.invariant import invariant_linear
+
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = BatchInvariantLinear
+        if hasattr(type(module), "linear"):
+            module.linear = invariant_linear
+    return model
 
 
 class MergedProjections(nn.Module):
@@ -20,6 +44,7 @@ class MergedProjections(nn.Module):
     second copy, and checkpoint names, state_dict and loading stay those of the parts."""
 
     PROJECTIONS: tuple[str, ...] = ()
+    linear = staticmethod(F.linear)
 
     def __init__(self):
         super().__init__()
@@ -47,7 +72,7 @@ class MergedProjections(nn.Module):
         if self.merged_weight is None:
             raise RuntimeError(f"{type(self).__name__}: projections not merged; call merge_projections() "
                                "once the weights are loaded")
-        return F.linear(x, self.merged_weight, self.merged_bias).split(self.merged_sizes, dim=-1)
+        return self.linear(x, self.merged_weight, self.merged_bias).split(self.merged_sizes, dim=-1)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -106,6 +131,8 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """fp32 softmax router, top-k renormalised, SwiGLU experts, plus a sigmoid-gated shared expert."""
 
+    linear = staticmethod(F.linear)
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int):
         super().__init__()
         self.top_k = top_k
@@ -117,7 +144,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        router_logits = F.linear(x, self.gate.weight)
+        router_logits = self.linear(x, self.gate.weight)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(router_logits.dtype)

@@ -41,6 +41,8 @@ class DecoderLayer(nn.Module):
 class Qwen35Model(nn.Module):
     """Parameter names are those of the checkpoint's text stack without its `model.` prefix."""
 
+    linear = staticmethod(torch.nn.functional.linear)  # the lm_head's product (models/layers.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -63,7 +65,7 @@ class Qwen35Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """Final norm + lm_head on [..., H] -> fp32 [..., V]."""
-        return torch.nn.functional.linear(self.norm(hidden, kernels), self.lm_head_weight).float()
+        return self.linear(self.norm(hidden, kernels), self.lm_head_weight).float()
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
         taps = []

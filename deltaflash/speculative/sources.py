@@ -10,6 +10,7 @@ Every source has the same surface (`DraftSource`); the runner calls it and never
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -24,7 +25,7 @@ from deltaflash.core.request import Sequence as Seq
 from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import LaneSampling
-from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_children
+from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_children, ranked_children
 
 # (name, fn, per-lane input specs [(shape, dtype, padding value)]) -> an object whose `run(*inputs)`
 # replays fn from CUDA graphs (None when no graph fits), or None: the runner's graph factory
@@ -137,17 +138,26 @@ class ScriptedSource:
     def draft_tree(self, seqs, slot_ids, anchors, start, budget, top_k):
         """Trees whose rank-0 candidate at each depth is the script's token, except that with probability
         `corrupt` a random token takes rank 0 and the script's token rank 1 (the accepted path then leaves
-        the top-1 chain); the other candidates are random."""
-        L, depths = slot_ids.shape[0], self.block_size - 1
-        scores = torch.zeros(L, depths, self.vocab_size)
+        the top-1 chain); the other candidates are the lowest other token ids. Scored as the log-softmax
+        of logits 8 (rank 0), 6 (rank 1) and 0 (every other token) would score them, without building
+        those [L, W-1, vocab] logits (at a real vocabulary they cost more than the round)."""
+        L, depths, V = slot_ids.shape[0], self.block_size - 1, self.vocab_size
+        k = min(top_k, V)
+        tokens = torch.empty(L, depths, k, dtype=torch.long)
         for lane, row in enumerate(self._script_rows(seqs, L, corrupt=0.0)):
             for d, tok in enumerate(row):
-                decoy = self.rng.randrange(self.vocab_size)
-                first, second = (decoy, tok) if self.rng.random() < self.corrupt and decoy != tok else (tok, decoy)
-                scores[lane, d, second] = 6.0
-                scores[lane, d, first] = 8.0
-        logits = to_device(scores, slot_ids.device)
-        return build_tree(dflash_children(logits, top_k), torch.where(slot_ids < 0, 0, anchors), depths, budget, top_k)
+                decoy = self.rng.randrange(V)
+                ranked = (decoy, tok) if self.rng.random() < self.corrupt and decoy != tok else (tok, decoy)
+                ranked = list(dict.fromkeys(ranked))
+                rest = (t for t in range(V) if t not in ranked)
+                tokens[lane, d] = torch.tensor((ranked + [next(rest) for _ in range(k - len(ranked))])[:k])
+        logits = torch.zeros(k)
+        logits[0], logits[1:2] = 8.0, 6.0
+        lse = torch.logsumexp(torch.cat([logits[:2], torch.zeros(1) + math.log(V - 2)]), 0) if V > 2 else \
+            torch.logsumexp(logits[:V], 0)
+        log_p = (logits - lse).expand(L, depths, k)
+        children = ranked_children(to_device(log_p.contiguous(), slot_ids.device), to_device(tokens, slot_ids.device))
+        return build_tree(children, torch.where(slot_ids < 0, 0, anchors), depths, budget, top_k)
 
     def _script_rows(self, seqs, lanes: int, corrupt: float) -> list[list[int]]:
         """Per lane the W-1 tokens after its pending one: the script's (random without one), each

@@ -116,7 +116,12 @@ def max_nodes(depths: int, top_k: int, budget: int) -> int:
 def dflash_children(logits: Tensor, top_k: int) -> ChildScores:
     """DFlash: depth d's candidates are the top_k of the drafter's log-softmax at block slot d
     (logits [L, B-1, V] of slots 1..B-1), whatever the parent."""
-    log_p, tokens = logits.float().log_softmax(dim=-1).topk(top_k, dim=-1)  # [L, B-1, k]
+    return ranked_children(*logits.float().log_softmax(dim=-1).topk(top_k, dim=-1))
+
+
+def ranked_children(log_p: Tensor, tokens: Tensor) -> ChildScores:
+    """Depth d's candidates, whatever the parent: tokens [L, D, k] with log probabilities log_p [L, D, k],
+    best first (what dflash_children takes from the drafter's logits)."""
 
     def children(d: int, parent_tokens: Tensor) -> tuple[Tensor, Tensor]:
         P = parent_tokens.shape[1]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from deltaflash.cache.draft_context import DraftContextCache
@@ -82,8 +83,12 @@ class DFlashSource:
     def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None) -> None:
         if taps is None:
             return
-        fits = self.append_graphs is not None and slot_ids.shape[1] == self.block_size
-        if not fits or self.append_graphs.run(slot_ids, positions, taps) is None:
+        T, W = slot_ids.shape[1], self.block_size
+        if T < W:  # a round narrower than the block (adaptive widths, a tree's path): rows that land nowhere
+            slot_ids = F.pad(slot_ids, (0, W - T), value=-1)  # pad it, so the block's graph serves every width
+            positions = F.pad(positions, (0, W - T))
+            taps = F.pad(taps, (0, 0, 0, W - T))
+        if T > W or self.append_graphs is None or self.append_graphs.run(slot_ids, positions, taps) is None:
             self._append_rows(slot_ids, positions, taps)
 
     def _append_rows(self, slot_ids: Tensor, positions: Tensor, taps: Tensor):

@@ -34,7 +34,7 @@ def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
     stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     stride_bt, stride_o_l, stride_o_t, stride_o_h,
-    T, NKV, page_size, scale, window, M_PAD, split_keys,
+    T, NKV, page_size, scale, window, R, split_keys,
     REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -119,14 +119,15 @@ def paged_attention_kernel(
                + (i_g * REP + o_m % REP)[:, None] * stride_o_h + o_d[None, :])
         tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     else:
-        i_part = (i_lg.to(tl.int64) * SPLITS + i_s) * M_PAD + o_m
+        # partial results of the R = T * REP valid rows only (a decode row of the 9B shape: 4 of the 64)
+        i_part = (i_lg.to(tl.int64) * SPLITS + i_s) * R + o_m
         if s_lo < s_hi:
-            tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o)
-        tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")))
+            tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o, mask=m_m[:, None])
+        tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")), mask=m_m)
 
 
 @triton.jit
-def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, M_PAD,
+def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, R,
                    REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr):
     """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of one (lane, kv head, row tile)."""
     i_lg, i_m = tl.program_id(0), tl.program_id(1)
@@ -135,23 +136,24 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     o_m = i_m * BM + tl.arange(0, BM)
     o_t = o_m // REP
     o_d = tl.arange(0, BD)
-    base = i_lg.to(tl.int64) * SPLITS * M_PAD
+    m_r = o_t < T
+    base = i_lg.to(tl.int64) * SPLITS * R
     b_top = tl.full([BM], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
-        b_top = tl.maximum(b_top, tl.load(part_lse + base + s * M_PAD + o_m))
+        b_top = tl.maximum(b_top, tl.load(part_lse + base + s * R + o_m, mask=m_r, other=float("-inf")))
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
     b_num = tl.zeros([BM, BD], dtype=tl.float32)
     b_den = tl.zeros([BM], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
-        b_w = tl.exp(tl.load(part_lse + base + s * M_PAD + o_m) - b_top)
-        b_part = tl.load(part_out + (base + s * M_PAD + o_m)[:, None] * BD + o_d[None, :],
-                         mask=(b_w > 0)[:, None], other=0.0)  # an empty split wrote no output rows
+        b_w = tl.exp(tl.load(part_lse + base + s * R + o_m, mask=m_r, other=float("-inf")) - b_top)
+        b_part = tl.load(part_out + (base + s * R + o_m)[:, None] * BD + o_d[None, :],
+                         mask=(m_r & (b_w > 0))[:, None], other=0.0)  # an empty split wrote no output rows
         b_num += b_w[:, None] * b_part
         b_den += b_w
     b_o = b_num / tl.where(b_den > 0, b_den, 1.0)[:, None]
     p_o = (out + i_l * stride_o_l + o_t[:, None].to(tl.int64) * stride_o_t
            + (i_g * REP + o_m % REP)[:, None] * stride_o_h + o_d[None, :])
-    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=(o_t < T)[:, None] & (o_d < HD)[None, :])
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
 def tiles(T: int, rep: int, head_dim: int) -> tuple[int, int]:
@@ -179,10 +181,10 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     m_tiles = triton.cdiv(T * rep, BM)
-    M_PAD = m_tiles * BM
+    R = T * rep
     if splits > 1:
-        part_out = torch.empty(L * nkv * splits * M_PAD, BD, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(L * nkv * splits * M_PAD, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(L * nkv * splits * R, BD, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(L * nkv * splits * R, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
     grid = (L * nkv, m_tiles, splits)
@@ -191,13 +193,13 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         q if tree_mask is None else tree_mask, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        T, nkv, key_pages.shape[1], scale, window or 0, M_PAD, split_keys,
+        T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys,
         REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLITS=splits,
         IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4,
     )
     if splits > 1:
         combine_kernel[(L * nkv, m_tiles)](part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2),
-                                           T, nkv, M_PAD, REP=rep, HD=hd, BD=BD, BM=BM, SPLITS=splits, num_warps=4)
+                                           T, nkv, R, REP=rep, HD=hd, BD=BD, BM=BM, SPLITS=splits, num_warps=4)
     return out
 
 

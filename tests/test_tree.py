@@ -145,6 +145,30 @@ def test_greedy_acceptance_walks_to_the_argmax_child():
     assert max(depths) >= 3 and depths[2] == 0
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_acceptance_equals_the_walk_on_random_trees(seed):
+    """accept_tree's loop-free greedy acceptance against the step-by-step walk: random trees, budgets cut
+    per lane, depth limits, and target argmaxes that follow a random child at most nodes."""
+    g = torch.Generator().manual_seed(seed)
+    L, D, V, k, N = 40, 6, 9, 3, 20
+    tree = build_tree(dflash_children(3 * torch.randn(L, D, V, generator=g), k), torch.zeros(L, dtype=torch.long), D, N, k)
+    tree = tree.cut(torch.randint(1, N + 1, (L,), generator=g))
+    logits = torch.randn(L, N, V, generator=g)
+    for lane in range(L):
+        for n in range(N):
+            kids = [m for m in range(N) if tree.parents[lane, m] == n]
+            if kids and torch.rand((), generator=g) < 0.8:
+                logits[lane, n, tree.tokens[lane, kids[int(torch.randint(len(kids), (), generator=g))]]] = 10.0
+    limits = torch.randint(0, D + 1, (L,), generator=g)
+    acc = accept_tree(logits, tree, limits, LaneSampling.greedy_lanes(L, "cpu"))
+    for lane in range(L):
+        path = walk_greedy(tree, logits, lane, int(limits[lane]))
+        n = len(path) - 1
+        assert int(acc.counts[lane]) == n and acc.path[lane, :n + 1].tolist() == path
+        assert int(acc.tokens[lane, n]) == int(logits[lane, path[-1]].argmax())
+    assert int(acc.counts.max()) >= 4
+
+
 def test_sampled_acceptance_draws_the_first_token_from_p():
     """Whatever the tree, the first emitted token is distributed as p at the root."""
     g = torch.Generator().manual_seed(3)

@@ -166,21 +166,13 @@ def accept_tree(logits: Tensor, tree: DraftTree, depth_limit: Tensor, sampling: 
     accept. Returns Accepted with `path` [L, D+1] (node ids, the root first, then the accepted nodes;
     0 past counts) and tokens [L, D+1] (the accepted nodes' tokens, then the next token)."""
     L, N, V = logits.shape
-    D, device = tree.max_depth, logits.device
+    device = logits.device
     lanes = torch.arange(L, device=device)
-    kids_of = children_by_rank(tree)
     greedy_next = logits.argmax(dim=-1)  # [L, N]
-    cur, alive, steps = torch.zeros(L, dtype=torch.long, device=device), torch.ones(L, dtype=torch.bool, device=device), []
-    for step in range(D):
-        kids = kids_of[lanes, cur]  # [L, k]
-        match = (kids >= 0) & (tree.tokens.gather(1, kids.clamp(min=0)) == greedy_next[lanes, cur][:, None])
-        moved = match.any(dim=1) & alive & (step < depth_limit)
-        nxt = kids.gather(1, match.long().argmax(dim=1, keepdim=True))[:, 0]
-        cur, alive = torch.where(moved, nxt, cur), moved
-        steps.append(torch.where(moved, nxt, -1))
-    path = torch.stack(steps, dim=1) if steps else torch.zeros(L, 0, dtype=torch.long, device=device)
+    path, cur = greedy_walk(tree, greedy_next, depth_limit)
     next_token = greedy_next[lanes, cur]
     if not sampling.all_greedy:
+        kids_of = children_by_rank(tree)
         sampled_path, sampled_next = _sample_walk(logits, tree, kids_of, depth_limit, sampling)
         path = torch.where(sampling.greedy[:, None], path, sampled_path)
         next_token = torch.where(sampling.greedy, next_token, sampled_next)
@@ -193,6 +185,30 @@ def accept_tree(logits: Tensor, tree: DraftTree, depth_limit: Tensor, sampling: 
         return accepted
     rows = (logits if raw is None else raw)[lanes[:, None], path]  # [L, D+1, V]: the row each token came from
     return with_logprobs(accepted, rows, top_logprobs)
+
+
+def greedy_walk(tree: DraftTree, greedy_next: Tensor, depth_limit: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy acceptance without a loop over depths: a node matches when it is valid, within the lane's
+    depth limit and the target's argmax at its parent, and no sibling of lower rank matches (siblings of
+    one candidate list hold distinct tokens; the rule keeps the walk's choice if they did not); the
+    accepted nodes are those whose every node below the root matches - one path, ending at the deepest.
+    Returns (path [L, D]: the accepted nodes by depth, -1 past the last; the last accepted node [L], 0 =
+    the root)."""
+    L, N = tree.tokens.shape
+    D, device = tree.max_depth, tree.tokens.device
+    parent_next = greedy_next.gather(1, tree.parents.clamp(min=0))
+    ok = tree.valid & (tree.parents >= 0) & (tree.tokens == parent_next) & (tree.depth <= depth_limit[:, None])
+    elder = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (tree.rank[:, None, :] < tree.rank[:, :, None])
+    ok = ok & ~(elder & ok[:, None, :]).any(dim=2)  # [l, n, m]: m a matching sibling ranked before n
+    ok[:, 0] = True  # the root: the committed token
+    ancestors = tree.ancestors()
+    accepted = ~(ancestors & ~ok[:, None, :]).any(dim=2)  # [L, N]: no unmatched node on the way up
+    last = torch.where(accepted, tree.depth, -1).argmax(dim=1)  # the deepest accepted node
+    on_path = ancestors[torch.arange(L, device=device), last] & (tree.depth > 0)  # [L, N]
+    slots = torch.where(on_path, tree.depth - 1, D)  # each accepted node at its depth's column, others spare
+    path = torch.full((L, D + 1), -1, dtype=torch.long, device=device)
+    path.scatter_(1, slots, torch.where(on_path, torch.arange(N, device=device), -1).expand(L, N).contiguous())
+    return path[:, :D], last
 
 
 def _sample_walk(logits, tree: DraftTree, kids_of: Tensor, depth_limit: Tensor,

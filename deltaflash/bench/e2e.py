@@ -277,8 +277,8 @@ def figures(points: list[dict], workload: Workload) -> dict:
             at[c, "spec"])
     if (1, "spec") in at and (16, "spec") in at:
         add("spec_aggregate_c16_over_c1", at[16, "spec"]["tokens_per_s"] / at[1, "spec"]["tokens_per_s"], at[16, "spec"])
-    if workload.weight_read_s and (1, "spec") in at:
-        p = at[1, "spec"]
+    if workload.weight_read_s and (1, "spec") in at and at[1, "spec"]["mean_accepted_length"]:
+        p = at[1, "spec"]  # (no accepted length: the adaptive policy never drafted, no limit to compare with)
         limit = p["mean_accepted_length"] / workload.weight_read_s  # tokens/s if a round cost one weight read
         add("spec_c1_over_tau_weight_read_limit", p["tokens_per_s"] / limit, p)
         if p.get("seq_decode_tokens_per_s_mean"):  # the same, prefill (time to first token) excluded

@@ -25,7 +25,7 @@ FLOATS = ("scale",)
 
 
 def report(T: int, rep: int, hd: int, mode: int, splits: int) -> str:
-    BM, BN = tiles(T, rep, hd)
+    BM, BN = tiles(hd)
     consts = dict(REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, BN=BN, MODE=mode, WINDOWED=False,
                   SPLITS=splits, IEEE=False)
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name in FLOATS else "i64")

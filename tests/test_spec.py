@@ -13,7 +13,7 @@ from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch
 from deltaflash.core.request import SamplingParams
 from deltaflash.errors import CommitRejectedError
 from deltaflash.ops.kernels import reference_kernels, triton_kernels
-from deltaflash.speculative.sources import ScriptedSource
+from deltaflash.speculative.sources import ScriptedSource, pad_rows
 from tests.spec_pairs import DEVICE, engine_for, give_pages, make_pair, prompts
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -249,6 +249,32 @@ def test_tree_verify_nodes_equal_their_root_paths(pairs):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         else:
             assert a == b
+
+
+def test_padded_context_rows_land_nowhere(pairs):
+    """A round narrower than the block appends its rows padded to the block (so the block's CUDA graph
+    replays): the padding rows change no page but the sink's."""
+    target, draft = pairs["dflash"]
+    engine = engine_for(target, draft)
+    source, slot = engine.runner.source, 2
+    for s in (0, slot):  # slot 0 too: where padding rows would land with slot 0 instead of -1
+        give_pages(engine, s, 16)
+    H = source.drafter.config.hidden_size * len(source.tap_layer_ids)
+    taps = torch.randn(1, 3, H, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    slot_ids, positions = torch.full((1, 3), slot, device=DEVICE), torch.arange(5, 8, device=DEVICE)[None]
+    source.context.key.normal_(), source.context.value.normal_()  # so that rows written anywhere show
+    before = source.context.key.clone(), source.context.value.clone()
+    source._append_rows(slot_ids, positions, taps)
+    plain = source.context.key.clone(), source.context.value.clone()
+    source.context.key.copy_(before[0]), source.context.value.copy_(before[1])
+    source._append_rows(*pad_rows(slot_ids, positions, taps, source.block_size))
+    real = torch.ones(source.context.key.shape[1], dtype=torch.bool)
+    real[engine.pool.tables.sink_page] = False
+    for got, want, old in zip((source.context.key, source.context.value), plain, before):
+        got, want, old = got[:, real], want[:, real], old[:, real]
+        assert (want != old).any()  # the rows were written
+        assert torch.equal(got != old, want != old)  # ... there and nowhere else (the batch's rounding aside)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_cli_generate_with_draft_reports_acceptance():

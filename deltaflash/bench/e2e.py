@@ -81,8 +81,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
     tokenizer = load_tokenizer(target)
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    config = EngineConfig(max_slots=max_slots, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 1,
-                          block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
+    config = EngineConfig(max_slots=max_slots, block_size=args.block_size,  # the serve defaults otherwise tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                           speculation=args.speculation, batch_invariant=args.batch_invariant)
 
     def engine(mode: str, profile: bool = False) -> Engine:
@@ -114,8 +113,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     W = args.block_size or 16
-    config = EngineConfig(max_slots=max_slots, max_model_len=args.prompt_len + args.max_new_tokens + 1,
-                          prefill_chunk=4096, batch_invariant=args.batch_invariant)
+    config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant)  # the serve defaults otherwise
     spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                       speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from deltaflash.bench.common import print_table
+from deltaflash.core.request import SamplingParams
 
 
 def latency_summary(sequences: list[tuple[float, float, list[tuple[float, int]], int]]) -> dict:
@@ -50,8 +51,6 @@ def explain(points: list[dict], engine, prompts: list[list[int]], outputs: list[
     on `engine`, target-only, over the prompt and the common prefix) and the gap between their log
     probabilities: `near_tie` when both tokens are those two and the gap is under `margin` (rounding of a
     differently shaped batch can flip such a choice; a wrong token loses by far more)."""
-    from deltaflash.core.request import SamplingParams
-
     for d in points[0].get("first_differences", []):
         prompt = prompts[d["sequence"] % len(prompts)]
         prefix = outputs[d["sequence"]][:d["position"]]

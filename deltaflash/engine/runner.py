@@ -97,7 +97,7 @@ class ModelRunner:
                                         self.kernels.paged_attention)
         self.source = draft_source
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
-        self.widths = tuple(w for w in config.widths if not config.tree_budget or w == 1) or (1,)
+        self.widths = (1,) if config.tree_budget else config.widths  # chain widths (trees: their own graph)
         self.verify_graphs = {}
         if self.graphs is not None:
             for w in self.widths:

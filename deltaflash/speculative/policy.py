@@ -66,12 +66,17 @@ def observe_round(seq: Sequence, allowed: int, accepted: int) -> None:
     1..accepted hit, position accepted + 1 (when offered) missed, the counts decay; a lane offered none
     counts one more round since it drafted."""
     seq.rounds_since_draft = 0 if allowed else seq.rounds_since_draft + 1
-    need = max(allowed, len(seq.draft_tries))
-    seq.draft_tries += [0.0] * (need - len(seq.draft_tries))
-    seq.draft_hits += [0.0] * (need - len(seq.draft_hits))
+    _count(seq.draft_tries, seq.draft_hits, allowed, accepted, DECAY)
+
+
+def _count(tries: list[float], hits: list[float], allowed: int, accepted: int, decay: float) -> None:
+    """Decayed per-position counts, in place: positions 1..accepted tried and hit, accepted + 1 (when
+    offered) tried and missed."""
+    tries += [0.0] * (allowed - len(tries))
+    hits += [0.0] * (allowed - len(hits))
     for j in range(1, min(accepted + 1, allowed) + 1):
-        seq.draft_tries[j - 1] = DECAY * seq.draft_tries[j - 1] + 1.0
-        seq.draft_hits[j - 1] = DECAY * seq.draft_hits[j - 1] + (1.0 if j <= accepted else 0.0)
+        tries[j - 1] = decay * tries[j - 1] + 1.0
+        hits[j - 1] = decay * hits[j - 1] + (1.0 if j <= accepted else 0.0)
 
 
 @dataclass
@@ -133,20 +138,15 @@ class WidthPolicy:
     def observe(self, seq: Sequence, allowed: int, accepted: int) -> None:
         """One lane's round: its own counts (observe_round) and the engine-wide ones."""
         observe_round(seq, allowed, accepted)
-        self.tries += [0.0] * (allowed - len(self.tries))
-        self.hits += [0.0] * (allowed - len(self.hits))
-        for j in range(1, min(accepted + 1, allowed) + 1):
-            self.tries[j - 1] = ENGINE_DECAY * self.tries[j - 1] + 1.0
-            self.hits[j - 1] = ENGINE_DECAY * self.hits[j - 1] + (1.0 if j <= accepted else 0.0)
+        _count(self.tries, self.hits, allowed, accepted, ENGINE_DECAY)
 
     def choose(self, seqs: Seqs[Sequence], caps: Seqs[int]) -> tuple[int, list[int]]:
         """(round width, per-lane widths) for lanes `seqs` that may emit at most caps[l] tokens."""
-        if any(cap > 1 and seq.params.seed is not None and not seq.params.greedy for seq, cap in zip(seqs, caps)):
-            priors = self.priors()  # a seeded sampled lane: the block, every lane at its most unless stopped
-            lanes = [cap if cap > 1 and (seq.params.seed is not None and not seq.params.greedy
-                                         or self._drafts(seq, priors)) else 1 for seq, cap in zip(seqs, caps)]
-            return self.widths[-1], lanes
         priors = self.priors()
+        seeded = [seq.params.seed is not None and not seq.params.greedy for seq in seqs]
+        if any(cap > 1 and s for cap, s in zip(caps, seeded)):  # the block, every lane at its most unless stopped
+            lanes = [cap if cap > 1 and (s or self._drafts(seq, priors)) else 1 for seq, cap, s in zip(seqs, caps, seeded)]
+            return self.widths[-1], lanes
         probing = [seq.rounds_since_draft + 1 >= self.probe_every for seq in seqs]
         drafting = [cap > 1 and (probe or self._drafts(seq, priors)) for seq, cap, probe in zip(seqs, caps, probing)]
         bucket = self.bucket(len(seqs))

@@ -54,6 +54,14 @@ class DraftSource(Protocol):
         """Trees of `budget` nodes over W-1 depths, top_k candidates per depth (speculative/tree.py)."""
 
 
+def pad_rows(slot_ids: Tensor, positions: Tensor, taps: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Committed rows [L, T] padded to `width` columns with rows that land nowhere (slot -1)."""
+    extra = width - slot_ids.shape[1]
+    if not extra:
+        return slot_ids, positions, taps
+    return (F.pad(slot_ids, (0, extra), value=-1), F.pad(positions, (0, extra)), F.pad(taps, (0, 0, 0, extra)))
+
+
 class DFlashSource:
     def __init__(self, drafter, embed_weight: Tensor, lm_head_weight: Tensor, tables: BlockTables,
                  block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref):
@@ -84,12 +92,10 @@ class DFlashSource:
         if taps is None:
             return
         T, W = slot_ids.shape[1], self.block_size
-        if T < W:  # a round narrower than the block (adaptive widths, a tree's path): rows that land nowhere
-            slot_ids = F.pad(slot_ids, (0, W - T), value=-1)  # pad it, so the block's graph serves every width
-            positions = F.pad(positions, (0, W - T))
-            taps = F.pad(taps, (0, 0, 0, W - T))
-        if T > W or self.append_graphs is None or self.append_graphs.run(slot_ids, positions, taps) is None:
-            self._append_rows(slot_ids, positions, taps)
+        if self.append_graphs is not None and T <= W:  # rounds up to the block's width replay its graph (narrower
+            if self.append_graphs.run(*pad_rows(slot_ids, positions, taps, W)) is not None:  # ones padded: adaptive
+                return  # widths, a tree's path)
+        self._append_rows(slot_ids, positions, taps)
 
     def _append_rows(self, slot_ids: Tensor, positions: Tensor, taps: Tensor):
         keys, values = self.drafter.project_context(taps.flatten(0, 1), positions.flatten())
@@ -149,19 +155,17 @@ class ScriptedSource:
         L, depths, V = slot_ids.shape[0], self.block_size - 1, self.vocab_size
         k = min(top_k, V)
         tokens = torch.empty(L, depths, k, dtype=torch.long)
+        log_p = torch.empty(L, depths, k)
         for lane, row in enumerate(self._script_rows(seqs, L, corrupt=0.0)):
             for d, tok in enumerate(row):
                 decoy = self.rng.randrange(V)
-                ranked = (decoy, tok) if self.rng.random() < self.corrupt and decoy != tok else (tok, decoy)
-                ranked = list(dict.fromkeys(ranked))
+                ranked = [decoy, tok] if self.rng.random() < self.corrupt and decoy != tok else list(dict.fromkeys([tok, decoy]))
                 rest = (t for t in range(V) if t not in ranked)
                 tokens[lane, d] = torch.tensor((ranked + [next(rest) for _ in range(k - len(ranked))])[:k])
-        logits = torch.zeros(k)
-        logits[0], logits[1:2] = 8.0, 6.0
-        lse = torch.logsumexp(torch.cat([logits[:2], torch.zeros(1) + math.log(V - 2)]), 0) if V > 2 else \
-            torch.logsumexp(logits[:V], 0)
-        log_p = (logits - lse).expand(L, depths, k)
-        children = ranked_children(to_device(log_p.contiguous(), slot_ids.device), to_device(tokens, slot_ids.device))
+                logits = [8.0, 6.0][:len(ranked)] + [0.0] * (k - len(ranked))
+                lse = math.log(sum(math.exp(x) for x in logits[:len(ranked)]) + (V - len(ranked)))
+                log_p[lane, d] = torch.tensor(logits[:k]) - lse
+        children = ranked_children(to_device(log_p, slot_ids.device), to_device(tokens, slot_ids.device))
         return build_tree(children, torch.where(slot_ids < 0, 0, anchors), depths, budget, top_k)
 
     def _script_rows(self, seqs, lanes: int, corrupt: float) -> list[list[int]]:

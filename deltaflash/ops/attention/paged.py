@@ -12,8 +12,9 @@ capacity replays for any lengths).
 Batch invariance: a row's result is the same bits whatever rows, lanes and lengths share the launch.
 BM is fixed per head shape, key tiles and splits start at fixed multiples of BN and `split_keys`, and
 a tile a row cannot see leaves its running max, sum and accumulator exactly as they were; the split
-size is a function of the table's capacity alone. So a verify row, a decode row and a tree node at the
-same position give the same logits, and speculative greedy output is target-only's to the bit.
+size is a function of the table's capacity alone. So attention gives a verify row, a decode row and a
+tree node at the same position the same bits (the products around it must too for equal logits:
+ops/gemm).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
-def tiles(T: int, rep: int, head_dim: int) -> tuple[int, int]:
+def tiles(head_dim: int) -> tuple[int, int]:
     """(BM query rows, BN keys) per program: 64 rows of one kv head whatever T (a fixed BM keeps a row's
     products on the same instructions at every batch shape: module docstring); key tiles of 32, or 16
     for heads wider than 128 (sm_90 ptxas: no spills at hd 64 / 128 with trees, 0-28 bytes at hd 256 x
@@ -177,7 +178,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
-    BM, BN = tiles(T, rep, hd)
+    BM, BN = tiles(hd)
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     m_tiles = triton.cdiv(T * rep, BM)

@@ -121,6 +121,20 @@ def test_a_rows_bits_do_not_depend_on_the_batch(split_keys):
             assert torch.equal(alone[0, 0], block[i, t])
 
 
+def test_per_lane_vectors_may_be_strided_views():
+    """The models pass context_lens as a column of the positions [L, T] (stride T): each lane must read
+    its own entry (a kernel reading them at unit stride gave lane l the start of lane 0's row l)."""
+    T, context = 5, [6, 2, 9]
+    args = lanes(T, 4, 2, 64, 4, torch.float32, context, seed=4)
+    want = paged_attention(**args, scale=0.125)
+    column = lambda t: torch.stack([t, t.roll(1)], 1)[:, 0]  # noqa: E731  the same values at stride 2
+    strided = {name: column(args[name]) for name in ("slot_ids", "context_lens", "n_rows")}
+    assert all(t.stride() == (2,) for t in strided.values())
+    got = paged_attention(**(args | strided), scale=0.125)
+    valid = (torch.arange(T, device=DEVICE)[None] < args["n_rows"][:, None])
+    assert torch.equal(got[valid], want[valid])
+
+
 def test_reference_reads_a_bounded_table_alike():
     """The eager reference reads only `max_pages` entries; a bound that covers every lane changes nothing."""
     args = lanes(5, 4, 2, 64, 4, torch.float32, [6, 2, 9], seed=5)

@@ -154,16 +154,24 @@ def test_cli_reports_a_pool_too_small_in_one_line(pair):
                     reason="the Triton route on CPU needs TRITON_INTERPRET=1 before import")
 def test_triton_route_through_the_engine_equals_the_reference(pair):
     """The fused kernel set (paged attention, verify route, commits, norms; interpreted on CPU) drives the
-    engine over pages of 4 positions: speculative rounds with accepted drafts and target-only decoding
-    give the reference route's greedy output."""
-    batch = prompts(96, [5, 9], seed=1)
-    config = dict(max_slots=2, max_model_len=48, page_size=4)
-    want = greedy(engine_for(pair[0], kernels="reference", **config), batch, new=10)
+    engine over pages of 4 positions: a prefill of ragged prompts in one forward, speculative rounds with
+    accepted drafts and target-only decoding give the reference route's greedy output, and the log
+    probabilities of every token agree to rounding (greedy tokens alone let a wrong kernel pass: a
+    perturbed distribution usually keeps its argmax)."""
+    batch = prompts(96, [5, 9, 3], seed=1)
+    config = dict(max_slots=3, max_model_len=48, page_size=4)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2)
+    reference, _ = engine_for(pair[0], kernels="reference", **config).generate(batch, params)
+    want = [c.token_ids for c in reference]
     source = ScriptedSource({tuple(p): out for p, out in zip(batch, want)}, BLOCK, 96, corrupt=0.2, seed=3)
     for draft_source in (None, source):
         engine = engine_for(pair[0], kernels="triton", draft_source=draft_source, **config)
-        done, _ = engine.generate(batch, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        done, _ = engine.generate(batch, params)
         assert [c.token_ids for c in done] == want
+        for got, ref in zip(done, reference):
+            for a, b in zip(got.logprobs, ref.logprobs):
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-4
         if draft_source is not None:
             assert max(n for c in done for n in c.accepted_lengths) > 2
 

@@ -270,17 +270,17 @@ def p_values(a, b) -> list[float]:
 
 def accept_first_child(logits, tree, depth_limit, sampling, top_logprobs=None, raw=None):
     """A broken rule: always accept the best child (no rejection), down to the depth limit."""
-    L = logits.shape[0]
-    path, node = [torch.zeros(L, dtype=torch.long)], torch.zeros(L, dtype=torch.long)
+    L, device = logits.shape[0], logits.device
+    path, node = [torch.zeros(L, dtype=torch.long, device=device)], torch.zeros(L, dtype=torch.long, device=device)
     for _ in range(int(depth_limit.max())):
-        node = tree_module.children_by_rank(tree)[torch.arange(L), node, 0].clamp(min=0)
+        node = tree_module.children_by_rank(tree)[torch.arange(L, device=device), node, 0].clamp(min=0)
         path.append(node)
     path = torch.stack(path, 1)
     counts = torch.minimum(depth_limit, torch.full_like(depth_limit, path.shape[1] - 1))
     tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), logits[:, 0].argmax(-1, keepdim=True)], 1)
-    full = torch.zeros(L, tree.max_depth + 1, dtype=torch.long)
+    full = torch.zeros(L, tree.max_depth + 1, dtype=torch.long, device=device)
     full[:, :path.shape[1]] = path
-    toks = torch.zeros(L, tree.max_depth + 1, dtype=torch.long)
+    toks = torch.zeros(L, tree.max_depth + 1, dtype=torch.long, device=device)
     toks[:, :tokens.shape[1]] = tokens
     return Accepted(counts=counts, tokens=toks, path=full)
 

@@ -236,5 +236,8 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     if L == 0 or T == 0:
         return out
     mask = None if tree_mask is None else tree_mask.to(torch.int8).contiguous()
-    return paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens.long(), n_rows.long(),
+    # the kernel reads the per-lane vectors at unit stride: a strided view (the models pass a column of
+    # the positions as context_lens) would give lane l another lane's entry
+    lanes = [t.long().contiguous() for t in (slot_ids, context_lens, n_rows)]
+    return paged_attention_fwd(q, key_pages, value_pages, block_tables.contiguous(), *lanes,
                                scale, mode, mask, window, split_keys, out)

@@ -75,6 +75,29 @@ def test_every_graph_is_captured_at_start_and_none_inside_requests(folder, monke
     engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
 
 
+def test_no_kernel_is_compiled_or_loaded_inside_requests(tmp_path):
+    """After start-up (capture and warm requests) a real drafter's engine serves prompts of every kind of
+    length - one token, multiples of 16, neither; alone and prefilled together; greedy and sampled -
+    without loading a single Triton kernel (each load is a compile or a disk read inside a request)."""
+    from deltaflash.models.dflash import load_drafter
+    from deltaflash.ops.compiles import kernel_loads
+    from tests.spec_pairs import make_pair
+
+    target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=2)
+    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
+    drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
+                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+    engine = Engine(model, None, drafter, EngineConfig(max_slots=4, max_model_len=256))
+    g = torch.Generator().manual_seed(5)
+    sampled = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True)
+    with kernel_loads() as loads:
+        for lengths in ((2,), (16,), (17,), (32, 5), (48, 64, 1, 23)):
+            prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+            engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+            engine.generate(prompts, sampled)
+    assert loads == [], f"kernels loaded inside requests: {sorted({name for name, _ in loads})}"
+
+
 def test_fused_route_with_graphs_is_lossless(folder):
     model = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
     g = torch.Generator().manual_seed(3)

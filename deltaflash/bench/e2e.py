@@ -32,6 +32,7 @@ from deltaflash.bundled import BUNDLED
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.engine import Engine
+from deltaflash.ops.compiles import kernel_loads
 
 MODES = ("spec", "target-only")
 PHASES = ("prefill", "draft", "verify", "accept", "commit", "host")
@@ -235,8 +236,11 @@ def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, ba
             warm = SamplingParams(max_new_tokens=min(4, workload.params.max_new_tokens), ignore_eos=True)
             if engines[mode].device.type == "cuda":
                 drive(engines[mode], workload.prompts, warm, c, c)  # CUDA graph capture outside the timing
-            traces, steps, wall = drive(engines[mode], workload.prompts, workload.params, c, requests)
+            with kernel_loads() as loads:  # compiles inside the measured requests (should be none)
+                traces, steps, wall = drive(engines[mode], workload.prompts, workload.params, c, requests)
             point = {"workload": workload.name, "concurrency": c, "mode": mode} | summarize(traces, steps, wall)
+            point["kernel_loads"] = len(loads)
+            point["kernels_loaded"] = sorted({name for name, _ in loads})
             point["accepted_lengths"] = [n for _, r in steps for n in r.accepted_lengths]
             if profile:
                 _, prof_steps, _ = drive(profilers[mode], workload.prompts, workload.params, c, c)

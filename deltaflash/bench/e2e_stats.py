@@ -67,7 +67,8 @@ def explain(points: list[dict], engine, prompts: list[list[int]], outputs: list[
 
 TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
               "mean_accepted_length", "ttft_p50_ms",
-              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences", "near_tie_sequences")
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences", "near_tie_sequences",
+              "kernel_loads")
 
 
 def report(result: dict) -> None:

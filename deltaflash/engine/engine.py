@@ -74,14 +74,20 @@ class Engine:
         return cls(model, load_tokenizer(model_dir), drafter, EngineConfig(**config), progress=progress)
 
     def _warm_requests(self) -> None:
-        """A greedy and a sampled request (top-k, top-p) through the whole step path - prefill, rounds at
+        """Greedy and sampled requests (top-k, top-p) through the whole step path - prefill, rounds at
         each width, acceptance, commit, draft context - so that every kernel a client's first request
-        launches is already loaded. Their slots are reset at the next admission, like any retired slot."""
+        launches is already loaded. Prompt lengths cover what Triton specialises an integer argument on
+        (1, divisible by 16, neither) for one prompt and for several prefilled together: a one-token
+        prompt alone never reaches the chunked GDN prefill kernels. Their slots are reset at the next
+        admission, like any retired slot."""
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
-        new = min(2 * self.config.block_size + 1, self.config.max_model_len - 1)
-        params = [SamplingParams(max_new_tokens=new, ignore_eos=True),
-                  SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)]
-        self.generate([[0], [1]], params)
+        new = min(2 * self.config.block_size + 1, self.config.max_model_len - 2)
+        longest = self.config.max_model_len - new - 1
+        greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        sampled = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)
+        for lengths in ((16,), (1, 3, 29)):
+            prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
+            self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
 
     @property
     def pool(self):

@@ -15,6 +15,10 @@ a tile a row cannot see leaves its running max, sum and accumulator exactly as t
 size is a function of the table's capacity alone. So attention gives a verify row, a decode row and a
 tree node at the same position the same bits (the products around it must too for equal logits:
 ops/gemm).
+
+Compiles: Triton would specialise the integer arguments by value (== 1, divisible by 16), so a prefill
+of 16 or 32 rows would compile a new binary in the middle of serving; the block height (T, R) is marked
+not to specialise, so after start-up's warm-up no prompt length compiles anything.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ MAX_SPLITS = 16
 MIN_SPLIT_KEYS = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "R"])  # one binary for every block height (module docstring: compiles)
 def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
     stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
@@ -127,7 +131,7 @@ def paged_attention_kernel(
         tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")), mask=m_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "R"])
 def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, R,
                    REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr):
     """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of one (lane, kv head, row tile)."""

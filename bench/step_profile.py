@@ -29,11 +29,15 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--target-only", action="store_true")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--max-slots", type=int, default=None, help="engine slots (default: the engine's)")
     ap.add_argument("--rows", type=int, default=18, help="profiler table rows")
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
+    slots = {} if args.max_slots is None else {"max_slots": args.max_slots}
+    t0 = time.perf_counter()
     engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft", device="cuda",
-                                    progress=False)
+                                    progress=False, **slots)
+    started = time.perf_counter() - t0
     prompt = list(range(3, 60))
     params = SamplingParams(max_new_tokens=4 * args.steps * 8, ignore_eos=True)
     for _ in range(args.lanes):
@@ -55,7 +59,8 @@ def main() -> None:
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     host_ops = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
     print(f"{deltaflash.__file__}: {'target-only' if args.target_only else 'spec'}, {args.lanes} lane(s), "
-          f"{args.steps} steps")
+          f"{args.steps} steps, {engine.config.max_slots} slots, max_model_len {engine.config.max_model_len}; "
+          f"engine ready in {started:.1f} s")
     print(f"  step wall p50 {1e3 * statistics.median(walls):.3f} ms, mean {1e3 * statistics.fmean(walls):.3f} ms; "
           f"device busy {device_us / 1e3 / args.steps:.3f} ms per step")
     print("  host ops by self CPU time per step (us, calls per step):")

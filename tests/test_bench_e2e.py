@@ -41,6 +41,22 @@ def test_demo_workload_writes_json_and_plots(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name
 
 
+@pytest.mark.parametrize("workload", ["demo", "scripted"])
+def test_workload_engines_take_the_options_given(tmp_path, workload):
+    """--tree-budget, --tree-top-k, --speculation and --max-model-len reach the engines the sweep measures
+    (a lost keyword once made the demo sweep measure chains under a tree flag); target-only has no tree."""
+    args = parse("--workload", workload, "--prompts", "1", "--max-new-tokens", "4", "--prompt-lines", "2",
+                 "--device", "cpu", "--tree-budget", "6", "--tree-top-k", "2", "--speculation", "fixed",
+                 "--max-model-len", "192", "--layers", "1", "--prompt-len", "8",
+                 *(["--model", str(save_checkpoint(build_hf_model("dense_gqa"), tmp_path / "t"))]
+                   if workload == "scripted" else []))
+    make = e2e._demo_workload if workload == "demo" else e2e._scripted_workload
+    spec, plain = (make(args, max_slots=2).engine(mode) for mode in ("spec", "target-only"))
+    assert (spec.config.tree_budget, spec.config.tree_top_k, spec.config.speculation) == (6, 2, "fixed")
+    assert spec.config.max_model_len == plain.config.max_model_len == 192
+    assert plain.config.tree_budget == 0 and plain.config.block_size == 1
+
+
 def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):
     model_dir = save_checkpoint(build_hf_model("dense_gqa", seed=4), tmp_path / "target")
     args = parse("--workload", "scripted", "--model", str(model_dir), "--corrupt", "0", "--block-size", "4",

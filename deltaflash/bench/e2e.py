@@ -82,8 +82,9 @@ def _demo_workload(args, max_slots: int) -> Workload:
     tokenizer = load_tokenizer(target)
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    config = EngineConfig(max_slots=max_slots, block_size=args.block_size,  # the serve defaults otherwise tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                          speculation=args.speculation, batch_invariant=args.batch_invariant)
+    config = EngineConfig(max_slots=max_slots, block_size=args.block_size, tree_budget=args.tree_budget,
+                          tree_top_k=args.tree_top_k, speculation=args.speculation, batch_invariant=args.batch_invariant,
+                          max_model_len=args.max_model_len)  # the serve defaults otherwise
 
     def engine(mode: str, profile: bool = False) -> Engine:
         spec = mode == "spec"
@@ -114,7 +115,8 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     W = args.block_size or 16
-    config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant)  # the serve defaults otherwise
+    config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant,
+                          max_model_len=args.max_model_len)  # the serve defaults otherwise
     spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                       speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
@@ -347,6 +349,9 @@ def register(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256, help="scripted: tokens per random prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-profile", action="store_true", help="skip the phase-profile pass")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="engine max_model_len (default: the serve default, the model's); trees before the paged "
+                        "K/V cache ran this benchmark at the longest prompt + max-new-tokens + 1")
     p.add_argument("--reference", action="store_true",
                    help="demo: transformers generate and z-lab dflash_generate at concurrency 1, side by side")
     p.add_argument("--server", default=None, metavar="URL", help="drive a running `deltaflash serve` (demo prompts)")

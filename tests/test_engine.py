@@ -47,7 +47,7 @@ def sequence(rid: str, prompt_len: int, max_new: int = 10) -> Sequence:
 
 
 def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
-    config = EngineConfig(max_slots=2, prefill_chunk=10, block_size=4).resolve(torch.device("cpu"), 4)
+    config = EngineConfig(max_slots=2, max_num_batched_tokens=10, block_size=4).resolve(torch.device("cpu"), 4)
     scheduler = Scheduler(config, num_pages=1000)
     for rid, n in (("a", 7), ("b", 25), ("c", 3)):
         scheduler.add(sequence(rid, n))
@@ -58,8 +58,10 @@ def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
     for chunk in plan.prefill:  # what the engine does once the runner ran the chunks
         chunk.seq.num_prefilled += len(chunk.tokens)
         chunk.seq.status = Status.DECODING if chunk.last else chunk.seq.status
-    plan = scheduler.schedule()
-    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 3, 10)]
+    plan = scheduler.schedule()  # a's round takes 4 rows of the 10-token budget (a has a pending token)
+    a = plan.decode[0]
+    assert a.request_id == "a" and plan.round_width == 4
+    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 3, 6)]
 
 
 def test_scheduler_widths_follow_the_tokens_left():
@@ -75,6 +77,55 @@ def test_scheduler_widths_follow_the_tokens_left():
     assert plan.widths == (6, 3, 1) and plan.round_width == 6  # b has 3 tokens left, c one: plain decoding
     plain = Scheduler(EngineConfig(max_slots=1).resolve(torch.device("cpu"), None), num_pages=1000)
     assert plain.config.block_size == 1 and plain.width(seqs[0]) == 1
+
+
+def test_the_step_budget_is_shared_by_the_round_and_the_prompts():
+    """max_num_batched_tokens covers the round's rows and the prompt chunks together: prompts get what the
+    round leaves, and a quarter of the budget when the round takes it all (so they always advance)."""
+    config = EngineConfig(max_slots=4, max_num_batched_tokens=20, block_size=4).resolve(torch.device("cpu"), 4)
+    scheduler = Scheduler(config, num_pages=1000)
+    running = [sequence(rid, 3, max_new=50) for rid in "ab"]
+    for seq in running:
+        scheduler.add(seq)
+    scheduler.schedule()
+    for seq in running:
+        seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
+    scheduler.add(sequence("long", 100))
+    plan = scheduler.schedule()  # a round of 2 lanes x 4 rows: 12 of the 20 tokens left for the prompt
+    assert plan.round_width == 4 and len(plan.decode) == 2
+    assert [(c.seq.request_id, len(c.tokens)) for c in plan.prefill] == [("long", 12)]
+    assert scheduler.prefill_budget(0) == 20 and scheduler.prefill_budget(20) == 5 and scheduler.prefill_budget(64) == 5
+
+
+def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):
+    """Two streams decode (with a drafter, and plainly) while a 150-token prompt arrives under a 24-token
+    step budget: it is prefilled in chunks over several steps, every running stream gets its round in every
+    one of them, and all outputs equal each prompt's solo output."""
+    target_dir, draft_dir = pairs["dflash"]
+    plist = prompts(96, [5, 8, 150], seed=9)
+    solo = [c.token_ids for p in plist for c in engine_for(target_dir, max_slots=1).generate([p], GREEDY)[0]]
+    for draft in (draft_dir, None):
+        engine = engine_for(target_dir, draft, max_slots=3, max_num_batched_tokens=24)
+        ids = [engine.add_request(p, GREEDY) for p in plist[:2]]
+        out = defaultdict(list)
+        while any(len(out[i]) < 3 for i in ids):  # both streams past prefill and decoding
+            for ev in engine.step():
+                out[ev.request_id] += ev.token_ids
+        ids.append(engine.add_request(plist[2], GREEDY))
+        chunks = 0
+        while engine.has_work():
+            live = [i for i in ids[:2] if engine.scheduler.running.get(i) is not None]
+            long_prefilling = any(s.request_id == ids[2] and s.status is not Status.DECODING
+                                  for s in [*engine.scheduler.waiting, *engine.scheduler.running.values()])
+            events = engine.step()
+            for ev in events:
+                out[ev.request_id] += ev.token_ids
+            if long_prefilling:
+                chunks += 1
+                got = {ev.request_id for ev in events if ev.token_ids}
+                assert set(live) <= got, f"a running stream got no round while the long prompt prefilled: {got}"
+        assert chunks >= 150 // 24
+        assert [out[i] for i in ids] == solo
 
 
 def test_config_is_resolved_once_with_the_environment():
@@ -140,7 +191,7 @@ def test_abort_at_every_stage_frees_everything_and_spares_the_others(pairs, stag
     scripts = {tuple(p): e for p, e in zip(plist, expected)}
     max_slots = 2 if stage == "waiting" else 3
     engine = engine_for(target_dir, draft_source=ScriptedSource(scripts, 5, 96, corrupt=0.1), max_slots=max_slots,
-                        prefill_chunk=8)
+                        max_num_batched_tokens=8)
     victim = {"waiting": 2, "prefilling": 1, "speculating": 0}[stage]
     ids = [engine.add_request(p, GREEDY) for p in plist]
     seen = {i: [] for i in ids}

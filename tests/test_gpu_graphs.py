@@ -120,7 +120,7 @@ def test_more_lanes_than_the_largest_bucket(folder, monkeypatch):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (70,), generator=g)]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    config = EngineConfig(max_slots=70, max_model_len=64, prefill_chunk=4096)
+    config = EngineConfig(max_slots=70, max_model_len=64, max_num_batched_tokens=4096)
     expected = [c.token_ids for c in Engine(model, config=config).generate(prompts, params)[0]]
     scripts = {tuple(p): e for p, e in zip(prompts, expected)}
     engine = Engine(model, config=config, draft_source=ScriptedSource(scripts, 4, 96, corrupt=0.2, seed=2))

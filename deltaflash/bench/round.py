@@ -21,7 +21,7 @@ def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int
     `tree_budget` nodes when given)."""
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
-    engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, prefill_chunk=4096,
+    engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, max_num_batched_tokens=4096,
                                                     kernels=kernels, tree_budget=tree_budget), draft_source=source)
     gen = torch.Generator().manual_seed(lanes)
     for _ in range(lanes):

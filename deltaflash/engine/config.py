@@ -33,7 +33,10 @@ class EngineConfig:
     max_model_len: prompt + generated tokens of one sequence; None = the model's max_position_embeddings
         (lowered to what the page pool holds, with a warning; a value given that the pool cannot hold
         for one sequence is an error).
-    prefill_chunk: prompt tokens per step, over all prefilling sequences.
+    max_num_batched_tokens: tokens one step processes (the step budget): the round's rows (lanes x its
+        width) first, prompt chunks fill the rest (oldest prompt first). While prompts wait they get at
+        least a quarter of it even when the round takes more (the one case a step exceeds it), so a full
+        round never starves them; a prompt arriving stalls the running streams by at most one budget.
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
@@ -59,7 +62,7 @@ class EngineConfig:
 
     max_slots: int = 8
     max_model_len: int | None = None
-    prefill_chunk: int = 512
+    max_num_batched_tokens: int = 512
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -79,7 +82,7 @@ class EngineConfig:
         DeltaflashError for impossible options. (max_model_len may still be lowered to the page pool's
         capacity by the runner, `fit_to_pages`.)"""
         env = os.environ if env is None else env
-        for name, low in (("max_slots", 1), ("max_model_len", 2), ("prefill_chunk", 1), ("block_size", 0),
+        for name, low in (("max_slots", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1), ("block_size", 0),
                           ("page_size", 1), ("kv_cache_memory", 1)):
             value = getattr(self, name)
             if value is not None and value < low:

@@ -138,7 +138,7 @@ class ModelRunner:
         """Peak activation bytes of an eager prefill chunk plus those of a round (draft, verify) at the
         largest lane bucket, measured on a probe pool of static pages for a few positions per slot."""
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
-        chunk = min(config.prefill_chunk, config.max_model_len)
+        chunk = min(config.max_num_batched_tokens, config.max_model_len)
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
         source = None
         if drafter is not None:

@@ -14,7 +14,9 @@ def register(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=8, help="slots: sequences served together")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests admitted beyond the slots to wait for one; more get HTTP 429")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per round, over all prompts")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens one step processes: the round's rows first, prompt chunks the rest (at least a "
+                        "quarter of it while prompts wait)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the chosen one is printed)")
     p.add_argument("--api-key", default=os.environ.get("DELTAFLASH_API_KEY"),
@@ -45,7 +47,7 @@ def check_flags(args) -> None:
     check_engine_flags(args)
     for name, value, low, high in (("--max-concurrency", args.max_concurrency, 1, None),
                                    ("--max-queue", args.max_queue, 0, None),
-                                   ("--prefill-chunk", args.prefill_chunk, 1, None),
+                                   ("--max-num-batched-tokens", args.max_num_batched_tokens, 1, None),
                                    ("--request-timeout", args.request_timeout, 0, None),
                                    ("--shutdown-timeout", args.shutdown_timeout, 0, None),
                                    ("--port", args.port, 0, 65535)):

@@ -61,7 +61,7 @@ def serve(args) -> int:
 
 
 def build_engine(args) -> Engine:
-    return engine_from_args(args, max_slots=args.max_concurrency, progress=True, prefill_chunk=args.prefill_chunk)
+    return engine_from_args(args, max_slots=args.max_concurrency, progress=True, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 class DrainingServer(uvicorn.Server):

@@ -46,8 +46,8 @@ class Metrics:
                                     "could accept; 1: no drafting): the load-adaptive speculation's choice",
                                     buckets=buckets, registry=r)
         self.prefill_tokens_per_step = Histogram("deltaflash_prefill_tokens_per_step",
-                                                 "Prompt tokens prefilled in a step that prefilled (the --prefill-chunk "
-                                                 "budget shared by the chunks of waiting prompts)",
+                                                 "Prompt tokens prefilled in a step that prefilled (what the "
+                                                 "--max-num-batched-tokens step budget left after the round)",
                                                  buckets=(1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
                                                  registry=r)
         self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",

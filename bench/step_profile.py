@@ -2,7 +2,7 @@
 the device's busy time per step, and the host-side torch ops and device kernels that take the most.
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
-    python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100]
+    python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 """
 
@@ -30,30 +30,38 @@ def main() -> None:
     ap.add_argument("--target-only", action="store_true")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--max-slots", type=int, default=None, help="engine slots (default: the engine's)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="engine max_model_len (default: the engine's)")
     ap.add_argument("--rows", type=int, default=18, help="profiler table rows")
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
-    slots = {} if args.max_slots is None else {"max_slots": args.max_slots}
+    slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft", device="cuda",
                                     progress=False, **slots)
     started = time.perf_counter() - t0
     prompt = list(range(3, 60))
-    params = SamplingParams(max_new_tokens=4 * args.steps * 8, ignore_eos=True)
+    # at a small max_model_len a sequence may finish inside the measurement: a new one takes its lane
+    params = SamplingParams(max_new_tokens=min(4 * args.steps * 8, engine.config.max_model_len - len(prompt) - 16),
+                            ignore_eos=True)
+
+    def step():
+        for ev in engine.step():
+            if ev.finish_reason:
+                engine.add_request(prompt, params)
     for _ in range(args.lanes):
         engine.add_request(prompt, params)
     for _ in range(5):  # prefill and the first rounds
-        engine.step()
+        step()
     walls = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        engine.step()
+        step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
-            engine.step()
+            step()
         torch.cuda.synchronize()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)

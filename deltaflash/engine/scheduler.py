@@ -110,9 +110,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         cancelled = self._retire_cancelled()
-        decode, widths, round_width, preempted = self._make_room()
-        reach = self.reach(round_width)
-        grants = [g for seq in decode for g in self.pages.grow(seq.slot, seq.position + reach)]
+        decode, widths, round_width, preempted, short = self._make_room()
+        grants = [g for slot, tokens in short for g in self.pages.grow(slot, tokens)]
         admitted = []
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
             seq = self.waiting[0]
@@ -150,17 +149,18 @@ class Scheduler:
         (whatever its own width): the verify rows, and the drafter's block when the round drafts."""
         return max(round_width, self.config.block_size) if round_width > 1 else 1
 
-    def _make_room(self) -> tuple[list[Sequence], list[int], int, list[Sequence]]:
+    def _make_room(self) -> tuple[list[Sequence], list[int], int, list[Sequence], list[tuple[int, int]]]:
         """The round's lanes, widths and rows, after preempting the most recently admitted sequences
-        until the pages every lane's rows reach are free (prefilling sequences took theirs at admission)."""
+        until the pages every lane's rows reach are free (prefilling sequences took theirs at admission);
+        and the (slot, positions) of the lanes that must take pages for it."""
         preempted = []
         while True:
             decode = [s for s in self.running.values() if s.status is Status.DECODING]
             widths, round_width = self.widths(decode)
             reach = self.reach(round_width)
-            need = sum(self.pages.missing(s.slot, s.position + reach) for s in decode)
-            if need <= self.pages.num_free:
-                return decode, widths, round_width, preempted
+            short = self.pages.short_of([s.slot for s in decode], [s.position + reach for s in decode])
+            if sum(self.pages.missing(slot, tokens) for slot, tokens in short) <= self.pages.num_free:
+                return decode, widths, round_width, preempted, short
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
             preempted.append(victim)

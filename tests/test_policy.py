@@ -112,3 +112,26 @@ def test_forget_keeps_only_the_calibration():
     policy.costs.observe(1, 8, 5.0)
     policy.forget()
     assert policy.priors() == [] and policy.costs.cost(1, 8) == 2.0
+
+
+def test_the_warm_requests_run_every_width_in_use(pair, monkeypatch):
+    """Start-up's warm requests (run on CUDA before the first client) go through a round at every width an
+    adaptive engine may choose, whatever the policy would choose for them (here: always the block), so no
+    width meets a kernel for the first time inside a request; afterwards the policy chooses freely again."""
+    target, _ = pair
+    engine = engine_for(target, draft_source=ScriptedSource({}, 8, 96, seed=1), speculation="adaptive",
+                        max_model_len=96)
+    assert engine.config.widths == (1, 2, 4, 8)
+    execute, widths = engine.runner.execute, set()
+
+    def recording(plan):
+        if plan.decode:
+            widths.add(plan.round_width)
+        return execute(plan)
+
+    monkeypatch.setattr(engine.runner, "execute", recording)
+    policy = engine.scheduler.policy
+    monkeypatch.setattr(policy, "_choose", lambda seqs, caps: (8, [min(8, c) for c in caps]))
+    engine._warm_requests()
+    assert widths == set(engine.config.widths)
+    assert engine.scheduler.policy.pinned is None and not engine.has_work()

@@ -79,15 +79,23 @@ class Engine:
         launches is already loaded. Prompt lengths cover what Triton specialises an integer argument on
         (1, divisible by 16, neither) for one prompt and for several prefilled together: a one-token
         prompt alone never reaches the chunked GDN prefill kernels. Their slots are reset at the next
-        admission, like any retired slot."""
+        admission, like any retired slot. With load-adaptive widths they run once at every width in use
+        (each width's commit kernels, acceptance and draft context are compiled for their own shapes).
+        """
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         new = min(2 * self.config.block_size + 1, self.config.max_model_len - 2)
         longest = self.config.max_model_len - new - 1
         greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
         sampled = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)
-        for lengths in ((16,), (1, 3, 29)):
-            prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
-            self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
+        policy = self.scheduler.policy
+        for width in self.config.widths if policy is not None else (None,):
+            if policy is not None:
+                policy.pinned = width
+            for lengths in ((16,), (1, 3, 29)):
+                prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
+                self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
+        if policy is not None:
+            policy.pinned = None
 
     @property
     def pool(self):

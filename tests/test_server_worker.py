@@ -233,3 +233,33 @@ def test_drain_deadline_answers_503_and_queue_time_is_per_admission(folder):
     assert sample("deltaflash_request_latency_seconds_count") == 1  # only "first" finished
     assert sample("deltaflash_time_per_output_token_seconds_count") == 1
     assert engine.num_live == 0 and sample("deltaflash_slot_usage_ratio") == 0
+
+
+def test_a_kernel_loaded_while_serving_is_counted_and_logged(folder, caplog):
+    """The worker listens to Triton's compiles while it serves: each load (a request waited for it) goes to
+    /metrics and the log; the listener is gone once the worker stops. (No GPU here: the test calls the
+    listener as Triton's compiler does.)"""
+    import triton
+
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
+    metrics = Metrics()
+    worker = EngineWorker(engine, WorkerConfig(), metrics)
+    knobs = triton.knobs.compilation
+    assert knobs.listener is None
+    worker.start()
+    deadline = time.monotonic() + 30
+    while knobs.listener is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+    class Source:
+        name = "paged_attention_kernel"
+
+    with caplog.at_level("WARNING", logger="deltaflash.server"):
+        for cache_hit in (False, True, False):
+            knobs.listener(src=Source(), metadata={}, metadata_group={}, times=None, cache_hit=cache_hit)
+    worker.close()
+    text = metrics.render().decode()
+    assert 'deltaflash_kernel_loads_total{source="compiled"} 2.0' in text
+    assert 'deltaflash_kernel_loads_total{source="disk cache"} 1.0' in text
+    assert sum("paged_attention_kernel was compiled while serving" in r.getMessage() for r in caplog.records) == 2
+    assert knobs.listener is None

@@ -36,6 +36,9 @@ class Metrics:
                               registry=r)
         self.preemptions = Counter("deltaflash_preemptions", "Sequences preempted to free K/V pages (their slot "
                                    "and pages taken back; recomputed when readmitted)", registry=r)
+        self.kernel_loads = Counter("deltaflash_kernel_loads", "Triton kernels compiled or read from the disk cache "
+                                    "while serving (after start-up: each made a request wait; 0 expected)",
+                                    ["source"], registry=r)
         self.prompt_tokens = Counter("deltaflash_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("deltaflash_generated_tokens", "Tokens generated", registry=r)
         buckets = tuple(range(1, max(block_size, 1) + 1))

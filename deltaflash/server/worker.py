@@ -21,6 +21,7 @@ import torch
 
 from deltaflash.core.request import SamplingParams, StepEvent, StepReport
 from deltaflash.errors import RequestError
+from deltaflash.ops.compiles import on_kernel_load
 from deltaflash.server.errors import ApiError, BadRequest, QueueFull, ServerFailure, ServerUnavailable
 from deltaflash.server.metrics import Metrics
 from deltaflash.server.textstream import TextLogprob, TextStream, TokenTexts
@@ -160,7 +161,7 @@ class EngineWorker:
     # ---- the engine worker thread ----------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), on_kernel_load(self._kernel_loaded):
                 self._loop()
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine worker failed")
@@ -196,6 +197,12 @@ class EngineWorker:
                 self._admit(item)
             else:
                 self._abort(item, "cancelled")
+
+    def _kernel_loaded(self, name: str, from_disk: bool) -> None:
+        """A Triton kernel met for the first time while serving: some request waited for it."""
+        self._metrics.kernel_loads.labels(source="disk cache" if from_disk else "compiled").inc()
+        log.warning("Triton kernel %s was %s while serving (the start-up warm-up missed it)", name,
+                    "loaded from the disk cache" if from_disk else "compiled")
 
     def _admit(self, job: Job) -> None:
         try:

@@ -191,3 +191,35 @@ def test_drafter_graphs_are_lossless_and_match_eager_drafting(tmp_path):
         eager = source._block_logits(slot_ids, anchors, start, max(s.position for s in seqs))
     for a, b in zip(graphed, eager):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_drafter_tree_graphs_are_lossless_and_build_the_eager_trees(tmp_path):
+    """With trees, the drafter's block forward and the tree built from it replay as one graph per lane
+    bucket: output stays target-only greedy, and a replayed tree is the one eager drafting builds."""
+    from deltaflash.models.dflash import load_drafter
+    from tests.spec_pairs import make_pair
+
+    target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=1)
+    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
+    drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
+                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = [c.token_ids for c in Engine(model, config=EngineConfig(max_slots=4, max_model_len=256)).generate(
+        prompts, params)[0]]
+    spec = Engine(model, None, drafter, EngineConfig(max_slots=4, max_model_len=256, tree_budget=8, tree_top_k=3))
+    source = spec.runner.source
+    assert source.tree_graphs is not None and "drafter tree of 8" in {f.name for f in spec.runner.graphs.functions}
+    assert [c.token_ids for c in spec.generate(prompts, params)[0]] == expected
+
+    seqs = decoding(spec, prompts, 8)
+    slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
+    anchors = torch.tensor([s.pending for s in seqs], device="cuda")
+    start = torch.tensor([s.position for s in seqs], device="cuda")
+    with torch.inference_mode():
+        graphed = source._as_tree(tuple(t.clone() for t in source.tree_graphs.run(slot_ids, anchors, start)))
+        hidden, logits = source._block_logits(slot_ids, anchors, start, max(s.position for s in seqs))
+        eager = source._build(hidden, logits, slot_ids, anchors, 8, 3)
+    for name in ("tokens", "parents", "depth", "rank", "order"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name

@@ -326,3 +326,30 @@ def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch):
     if plain.pool.lengths[0] == tree.pool.lengths[0]:
         torch.testing.assert_close(tree.pool.recurrent_state[0], plain.pool.recurrent_state[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(tree.pool.conv_history[0], plain.pool.conv_history[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, variant):
+    """What the drafter's tree graph captures on CUDA (the block forward over whole tables, then
+    build_tree, returned as tensors) gives the trees eager drafting builds."""
+    from deltaflash.core.request import Status
+
+    target, draft = pairs[("dense_gqa", variant)]
+    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3)
+    source = engine.runner.source
+    assert source.tree == (8, 3) and source.tree_graphs is None  # no graphs on the CPU
+    for p in prompts(96, [5, 11, 3], seed=4):
+        engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    seqs = list(engine.scheduler.running.values())
+    slot_ids = torch.tensor([s.slot for s in seqs])
+    anchors = torch.tensor([s.pending for s in seqs])
+    start = torch.tensor([s.position for s in seqs])
+    with torch.inference_mode():
+        eager = source.draft_tree(seqs, slot_ids, anchors, start, 8, 3)
+        graphed = source._as_tree(source._tree_nodes(slot_ids, anchors, start))
+    for name in ("tokens", "parents", "depth", "rank", "order", "valid"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+    assert (graphed.max_depth, graphed.top_k) == (eager.max_depth, eager.top_k)

@@ -94,7 +94,8 @@ class ModelRunner:
         factory = self.graphs.add if self.graphs is not None else None
         if drafter is not None:
             draft_source = DFlashSource(drafter, param, model.lm_head_weight, self.pool.tables, W, factory,
-                                        self.kernels.paged_attention)
+                                        self.kernels.paged_attention,
+                                        (config.tree_budget, config.tree_top_k) if config.tree_budget else None)
         self.source = draft_source
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
         self.widths = (1,) if config.tree_budget else config.widths  # chain widths (trees: their own graph)

@@ -64,12 +64,14 @@ def pad_rows(slot_ids: Tensor, positions: Tensor, taps: Tensor, width: int) -> t
 
 class DFlashSource:
     def __init__(self, drafter, embed_weight: Tensor, lm_head_weight: Tensor, tables: BlockTables,
-                 block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref):
+                 block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref,
+                 tree: tuple[int, int] | None = None):
         """tables: the target's block tables (the context lives in pages of the same ids). block_size: the
         verify width W (default: the drafter's own). graph_factory: when given, the block forward and the
         context append replay CUDA graphs per lane bucket (the reference attention then reads the whole
         table, a fixed shape; the Triton kernel reads each lane's own length). attend: the paged
-        attention op of the engine's kernel set."""
+        attention op of the engine's kernel set. tree: (budget, top_k) of the engine's draft trees: with
+        graphs, the block forward and the tree built from it (about a hundred small ops) replay as one."""
         self.drafter, self.embed_weight, self.lm_head_weight = drafter, embed_weight, lm_head_weight
         c = drafter.config
         self.block_size = block_size or c.block_size
@@ -84,6 +86,9 @@ class DFlashSource:
             self.block_graphs = graph_factory("drafter block", self._block_logits, lane)
             rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), embed_weight.dtype, 0)
             self.append_graphs = graph_factory("drafter context append", self._append_rows, rows)
+        self.tree, self.tree_graphs = tree, None
+        if graph_factory is not None and tree is not None:
+            self.tree_graphs = graph_factory(f"drafter tree of {tree[0]}", self._tree_nodes, lane)
 
     def reset(self, slot: int) -> None:
         self.context.reset(slot)
@@ -114,12 +119,29 @@ class DFlashSource:
         return picked.tokens, full_vocab_probs(picked, logits.shape[-1])
 
     def draft_tree(self, seqs, slot_ids, anchors, start, budget, top_k):
+        if self.tree_graphs is not None and self.tree == (budget, top_k):
+            nodes = self.tree_graphs.run(slot_ids, anchors, start)
+            if nodes is not None:
+                return self._as_tree(nodes)
         hidden, logits = self._block(seqs, slot_ids, anchors, start)
+        return self._build(hidden, logits, slot_ids, anchors, budget, top_k)
+
+    def _build(self, hidden, logits, slot_ids, anchors, budget: int, top_k: int) -> DraftTree:
         if self.drafter.config.variant == "dflash2":
             children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)
         else:
             children = dflash_children(logits, top_k)
         return build_tree(children, torch.where(slot_ids < 0, 0, anchors), self.block_size - 1, budget, top_k)
+
+    def _tree_nodes(self, slot_ids, anchors, start) -> tuple[Tensor, ...]:
+        """The configured tree of every lane as tensors (what the tree graph captures): the block forward
+        reading whole tables (a fixed shape) and build_tree."""
+        tree = self._build(*self._block_logits(slot_ids, anchors, start), slot_ids, anchors, *self.tree)
+        return tree.tokens, tree.parents, tree.depth, tree.rank, tree.order, tree.valid
+
+    def _as_tree(self, nodes: tuple[Tensor, ...]) -> DraftTree:
+        budget, top_k = self.tree
+        return DraftTree(*nodes, max_depth=min(self.block_size - 1, budget - 1), top_k=top_k)
 
     def _block(self, seqs, slot_ids, anchors, start) -> tuple[Tensor, Tensor]:
         out = self.block_graphs.run(slot_ids, anchors, start) if self.block_graphs is not None else None

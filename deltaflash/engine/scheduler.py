@@ -124,8 +124,9 @@ class Scheduler:
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
+        prefill = tuple(self._prefill_chunks(len(decode) * round_width))
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
-                        released=released, pages=tuple(grants), prefill=tuple(self._prefill_chunks(len(decode) * round_width)),
+                        released=released, pages=tuple(grants), prefill=prefill,
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width,
                         tree_budget=self.config.tree_budget if round_width > 1 else 0)
 

@@ -83,7 +83,8 @@ class DFlashSource:
         if graph_factory is not None:
             W, taps = self.block_size, len(self.tap_layer_ids) * c.hidden_size
             lane = ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
-            self.block_graphs = graph_factory("drafter block", self._block_logits, lane)
+            if tree is None:  # tree rounds draft through the tree graph below (chains are never drafted then)
+                self.block_graphs = graph_factory("drafter block", self._block_logits, lane)
             rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), embed_weight.dtype, 0)
             self.append_graphs = graph_factory("drafter context append", self._append_rows, rows)
         self.tree, self.tree_graphs = tree, None

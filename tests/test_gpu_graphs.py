@@ -32,6 +32,23 @@ def decoding(engine, prompts, max_new_tokens=50):
     return list(engine.scheduler.running.values())
 
 
+def cuda_pair(tmp_path, seed: int):
+    """A tiny fp32 target and DFlash drafter (tests.spec_pairs.make_pair) loaded on CUDA."""
+    from deltaflash.models.dflash import load_drafter
+    from tests.spec_pairs import make_pair
+
+    target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=seed)
+    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
+    drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
+                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+    return model, drafter
+
+
+def lanes_of(seqs):
+    """(slot ids, pending tokens, positions) [L] of decoding sequences, on CUDA: a draft call's lanes."""
+    return tuple(torch.tensor([getattr(s, name) for s in seqs], device="cuda") for name in ("slot", "pending", "position"))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_graph_replay_equals_eager(folder, dtype):
     model = load_model(folder, device="cuda", dtype=dtype, progress=False)
@@ -79,14 +96,9 @@ def test_no_kernel_is_compiled_or_loaded_inside_requests(tmp_path):
     """After start-up (capture and warm requests) a real drafter's engine serves prompts of every kind of
     length - one token, multiples of 16, neither; alone and prefilled together; greedy and sampled -
     without loading a single Triton kernel (each load is a compile or a disk read inside a request)."""
-    from deltaflash.models.dflash import load_drafter
     from deltaflash.ops.compiles import kernel_loads
-    from tests.spec_pairs import make_pair
 
-    target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=2)
-    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
-    drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
-                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+    model, drafter = cuda_pair(tmp_path, seed=2)
     engine = Engine(model, None, drafter, EngineConfig(max_slots=4, max_model_len=256))
     g = torch.Generator().manual_seed(5)
     sampled = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True)
@@ -165,13 +177,8 @@ def test_a_round_syncs_with_the_host_once(tmp_path, kind):
 def test_drafter_graphs_are_lossless_and_match_eager_drafting(tmp_path):
     """A DFlash drafter on CUDA drafts from graphs (block forward, context append); output stays lossless,
     and a graph-replayed block equals the eager block over the same context up to fp32 rounding."""
-    from deltaflash.models.dflash import load_drafter
-    from tests.spec_pairs import make_pair
 
-    target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=1)
-    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
-    drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
-                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+    model, drafter = cuda_pair(tmp_path, seed=1)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 23, 40)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -183,9 +190,7 @@ def test_drafter_graphs_are_lossless_and_match_eager_drafting(tmp_path):
     assert [c.token_ids for c in spec.generate(prompts, params)[0]] == expected
 
     seqs = decoding(spec, prompts, 8)  # fresh sequences past prefill, then one block both ways
-    slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
-    anchors = torch.tensor([s.pending for s in seqs], device="cuda")
-    start = torch.tensor([s.position for s in seqs], device="cuda")
+    slot_ids, anchors, start = lanes_of(seqs)
     with torch.inference_mode():  # as the engine drafts (the graphs' static buffers are inference tensors)
         graphed = [t.clone() for t in source.block_graphs.run(slot_ids, anchors, start)]
         eager = source._block_logits(slot_ids, anchors, start, max(s.position for s in seqs))
@@ -196,13 +201,8 @@ def test_drafter_graphs_are_lossless_and_match_eager_drafting(tmp_path):
 def test_drafter_tree_graphs_are_lossless_and_build_the_eager_trees(tmp_path):
     """With trees, the drafter's block forward and the tree built from it replay as one graph per lane
     bucket: output stays target-only greedy, and a replayed tree is the one eager drafting builds."""
-    from deltaflash.models.dflash import load_drafter
-    from tests.spec_pairs import make_pair
 
-    target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=1)
-    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
-    drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
-                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+    model, drafter = cuda_pair(tmp_path, seed=1)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 23, 40)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -214,9 +214,7 @@ def test_drafter_tree_graphs_are_lossless_and_build_the_eager_trees(tmp_path):
     assert [c.token_ids for c in spec.generate(prompts, params)[0]] == expected
 
     seqs = decoding(spec, prompts, 8)
-    slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
-    anchors = torch.tensor([s.pending for s in seqs], device="cuda")
-    start = torch.tensor([s.position for s in seqs], device="cuda")
+    slot_ids, anchors, start = lanes_of(seqs)
     with torch.inference_mode():
         graphed = source._as_tree(tuple(t.clone() for t in source.tree_graphs.run(slot_ids, anchors, start)))
         hidden, logits = source._block_logits(slot_ids, anchors, start, max(s.position for s in seqs))

@@ -88,14 +88,16 @@ class Engine:
         greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
         sampled = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)
         policy = self.scheduler.policy
-        for width in self.config.widths if policy is not None else (None,):
+        try:
+            for width in self.config.widths if policy is not None else (None,):
+                if policy is not None:
+                    policy.pinned = width
+                for lengths in ((16,), (1, 3, 29)):
+                    prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
+                    self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
+        finally:
             if policy is not None:
-                policy.pinned = width
-            for lengths in ((16,), (1, 3, 29)):
-                prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
-                self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
-        if policy is not None:
-            policy.pinned = None
+                policy.pinned = None
 
     @property
     def pool(self):

@@ -2,13 +2,16 @@
 the device's busy time per step, and the host-side torch ops and device kernels that take the most.
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
-    python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N]
+    python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
+        [--slowest 5] [--gc-freeze] [--ttft N]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +27,89 @@ except ImportError:  # trees before the core/ package
     from deltaflash.engine.request import SamplingParams
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Seen:
+    """Collector pauses (ms) and Triton kernel loads seen so far; mark/since bracket one step."""
+
+    def __init__(self):
+        self.gc_ms, self.gc_by_gen, self.loads, self._t = 0.0, [0, 0, 0], 0, 0.0
+
+    def on_gc(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.gc_ms += 1e3 * (time.perf_counter() - self._t)
+            self.gc_by_gen[info["generation"]] += 1
+
+    def mark(self):
+        return self.gc_ms, self.loads
+
+    def since(self, mark):
+        return self.gc_ms - mark[0], self.loads - mark[1]
+
+    def describe(self):
+        return f"collector {self.gc_ms:.1f} ms in {self.gc_by_gen} runs by generation, {self.loads} kernel loads"
+
+
+@contextlib.contextmanager
+def watch():
+    seen = _Seen()
+    gc.callbacks.append(seen.on_gc)
+    try:
+        from deltaflash.ops.compiles import on_kernel_load
+    except ImportError:  # trees before ops/compiles.py
+        on_kernel_load = None
+    try:
+        with on_kernel_load(lambda *_: setattr(seen, "loads", seen.loads + 1)) if on_kernel_load else contextlib.nullcontext():
+            yield seen
+    finally:
+        gc.callbacks.remove(seen.on_gc)
+
+
+def ttft_profile(engine, args) -> None:
+    """One prompt at a time: wall from add_request to its first token, then where one prefill's host time goes."""
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+
+    def first_token(i):
+        engine.add_request([3 + (7 * i + j) % 90 for j in range(args.ttft)], params)
+        while engine.has_work():
+            engine.step()
+        sync()
+    for i in range(3):
+        first_token(i)
+    walls = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        first_token(i)
+        walls.append(time.perf_counter() - t0)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(10):
+            first_token(i)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"{deltaflash.__file__}: TTFT of one {args.ttft}-token prompt ({'target-only' if args.target_only else 'spec'})"
+          f": p50 {1e3 * statistics.median(walls):.2f} ms, min {1e3 * min(walls):.2f} ms over {len(walls)}; device busy "
+          f"{device_us / 1e4:.2f} ms per request (under the profiler)")
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    print("  host ops by self CPU time per request (us, calls per request):")
+    for e in host[:args.rows]:
+        print(f"    {e.self_cpu_time_total / 10:8.1f}  {e.count / 10:6.1f}  {e.key[:90]}")
+    import cProfile
+    import pstats
+    with cProfile.Profile() as py:
+        for i in range(10):
+            first_token(i)
+    print("  Python functions by cumulative time, 10 requests:")
+    pstats.Stats(py).sort_stats("cumulative").print_stats(args.rows + 15)
+    print("  Python functions by own time, 10 requests:")
+    pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=1)
@@ -31,12 +117,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--max-slots", type=int, default=None, help="engine slots (default: the engine's)")
     ap.add_argument("--max-model-len", type=int, default=None, help="engine max_model_len (default: the engine's)")
+    ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script")
     ap.add_argument("--rows", type=int, default=18, help="profiler table rows")
+    ap.add_argument("--python", action="store_true", help="also the Python functions by own time (cProfile)")
+    ap.add_argument("--slowest", type=int, default=5, help="list the N slowest steps with what they did")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up, as a server would")
+    ap.add_argument("--ttft", type=int, default=0, metavar="N",
+                    help="instead: time to first token of one N-token prompt at a time (host ops, Python functions)")
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
     slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft", device="cuda",
+    engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft", device=args.device,
                                     progress=False, **slots)
     started = time.perf_counter() - t0
     prompt = list(range(3, 60))
@@ -44,33 +136,50 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=min(4 * args.steps * 8, engine.config.max_model_len - len(prompt) - 16),
                             ignore_eos=True)
 
-    def step():
-        for ev in engine.step():
+    if args.ttft:
+        return ttft_profile(engine, args)
+    print(f"{deltaflash.__file__}: {'target-only' if args.target_only else 'spec'}, {args.lanes} lane(s), "
+          f"{args.steps} steps, {engine.config.max_slots} slots, max_model_len {engine.config.max_model_len}; "
+          f"engine ready in {started:.1f} s{', collector frozen' if args.gc_freeze else ''}")
+    if args.gc_freeze:
+        gc.freeze()  # what a server does after start-up: the start-up objects leave the collector's scans
+
+    def step(on_report=None):
+        events = engine.step(on_report) if on_report is not None else engine.step()
+        for ev in events:
             if ev.finish_reason:
                 engine.add_request(prompt, params)
     for _ in range(args.lanes):
         engine.add_request(prompt, params)
     for _ in range(5):  # prefill and the first rounds
         step()
-    walls = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+    walls, slow = [], []
+    with watch() as seen:
+        for i in range(args.steps):
+            reports, mark = [], seen.mark()
+            t0 = time.perf_counter()
+            step(reports.append if args.slowest else None)
+            sync()
+            walls.append(time.perf_counter() - t0)
+            slow.append((walls[-1], i, reports, seen.since(mark)))
+    q = statistics.quantiles(walls, n=100)
+    print(f"  step wall p50 {1e3 * q[49]:.3f} / p90 {1e3 * q[89]:.3f} / p99 {1e3 * q[98]:.3f} / max "
+          f"{1e3 * max(walls):.3f} ms; {seen.describe()}")
+    for wall, i, reports, (gc_ms, loads) in sorted(slow, reverse=True)[:args.slowest]:
+        what = "; ".join(f"prefill {r.prefill_tokens} tok in {1e3 * r.prefill_s:.2f} ms, {r.decode_lanes} lanes "
+                         f"{sum(r.widths)} rows in {1e3 * r.decode_s:.2f} ms, {r.preempted} preempted, pages "
+                         f"{r.pages_used}/{r.pages_total}" for r in reports)
+        print(f"    slow step {i}: {1e3 * wall:.2f} ms (gc {gc_ms:.2f} ms, kernel loads {loads}): {what}")
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
             step()
-        torch.cuda.synchronize()
+        sync()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     host_ops = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
-    print(f"{deltaflash.__file__}: {'target-only' if args.target_only else 'spec'}, {args.lanes} lane(s), "
-          f"{args.steps} steps, {engine.config.max_slots} slots, max_model_len {engine.config.max_model_len}; "
-          f"engine ready in {started:.1f} s")
     print(f"  step wall p50 {1e3 * statistics.median(walls):.3f} ms, mean {1e3 * statistics.fmean(walls):.3f} ms; "
-          f"device busy {device_us / 1e3 / args.steps:.3f} ms per step")
+          f"device busy {device_us / 1e3 / args.steps:.3f} ms per step (under the profiler)")
     print("  host ops by self CPU time per step (us, calls per step):")
     for e in host_ops[:args.rows]:
         print(f"    {e.self_cpu_time_total / args.steps:8.1f}  {e.count / args.steps:6.1f}  {e.key[:90]}")
@@ -79,6 +188,15 @@ def main() -> None:
     print("  device kernels by time per step (us, launches per step):")
     for e in kernels[:10]:
         print(f"    {e.self_device_time_total / args.steps:8.1f}  {e.count / args.steps:6.1f}  {e.key[:90]}")
+    if args.python:  # the host side by Python function: which of the engine's own code a step spends
+        import cProfile
+        import pstats
+        with cProfile.Profile() as py:
+            for _ in range(args.steps):
+                step()
+            sync()
+        print(f"  Python functions by own time, {args.steps} steps (cProfile slows each call; compare rows):")
+        pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
 
 
 if __name__ == "__main__":

@@ -337,18 +337,19 @@ def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, varian
     target, draft = pairs[("dense_gqa", variant)]
     engine = engine_for(target, draft, tree_budget=8, tree_top_k=3)
     source = engine.runner.source
-    assert source.tree == (8, 3) and source.tree_graphs is None  # no graphs on the CPU
+    assert source.tree == (8, 3)
+    assert (source.tree_graphs is None) == (engine.device.type == "cpu")  # graphs on CUDA only
     for p in prompts(96, [5, 11, 3], seed=4):
         engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
     while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
         engine.step()
     engine.step()
     seqs = list(engine.scheduler.running.values())
-    slot_ids = torch.tensor([s.slot for s in seqs])
-    anchors = torch.tensor([s.pending for s in seqs])
-    start = torch.tensor([s.position for s in seqs])
+    lane = lambda values: torch.tensor(values, device=engine.device)  # noqa: E731
+    slot_ids, anchors = lane([s.slot for s in seqs]), lane([s.pending for s in seqs])
+    start = lane([s.position for s in seqs])
     with torch.inference_mode():
-        eager = source.draft_tree(seqs, slot_ids, anchors, start, 8, 3)
+        eager = source._build(*source._block(seqs, slot_ids, anchors, start), slot_ids, anchors, 8, 3)  # no graph
         graphed = source._as_tree(source._tree_nodes(slot_ids, anchors, start))
     for name in ("tokens", "parents", "depth", "rank", "order", "valid"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name

@@ -33,19 +33,33 @@ class ExtendBatch:
     (device): lane * T + t of each valid row of those lanes, in order (the rows packed one after
     another); cu_seqlens [L'+1] long (device) and cu_seqlens_host (CPU): the packed offsets. Built
     once per batch, so no layer copies host data to the device (each such copy waits for the stream).
+
+    A fixed-shape batch (`padded`, what a prefill CUDA graph captures) has no host mirrors and no
+    packing: every lane runs all T rows, and state_slots [L] names the slot whose GDN state each lane
+    reads and writes back - its own, or for a padding lane a slot outside the batch, whose state it
+    writes back unchanged.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_ids: torch.Tensor
     n_rows: torch.Tensor
-    slot_ids_host: tuple[int, ...]
-    n_rows_host: tuple[int, ...]
-    start_host: tuple[int, ...]
-    live_lanes: torch.Tensor
-    packed_rows: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_host: torch.Tensor
+    slot_ids_host: tuple[int, ...] = ()
+    n_rows_host: tuple[int, ...] = ()
+    start_host: tuple[int, ...] = ()
+    live_lanes: torch.Tensor | None = None
+    packed_rows: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_host: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
+
+    @classmethod
+    def padded(cls, input_ids: torch.Tensor, slot_ids: torch.Tensor, start: torch.Tensor, n_rows: torch.Tensor,
+               state_slots: torch.Tensor) -> "ExtendBatch":
+        """A fixed-shape batch from device tensors: input_ids [L, T], slot_ids / start / n_rows /
+        state_slots [L]. No host data, no host sync."""
+        positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+        return cls(input_ids, positions, slot_ids, n_rows, state_slots=state_slots)
 
     @property
     def live_lanes_host(self) -> list[int]:

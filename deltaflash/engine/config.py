@@ -19,6 +19,7 @@ from deltaflash.errors import DeltaflashError
 
 ENV_NO_FUSED_KERNELS = "DELTAFLASH_NO_FUSED_KERNELS"
 ENV_NO_CUDA_GRAPHS = "DELTAFLASH_NO_CUDA_GRAPHS"
+ENV_NO_PREFILL_GRAPHS = "DELTAFLASH_NO_PREFILL_GRAPHS"
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:
@@ -54,6 +55,9 @@ class EngineConfig:
         DELTAFLASH_NO_FUSED_KERNELS=1, reference on CPU.
     cuda_graphs: replay rounds from CUDA graphs captured at start; None = on CUDA unless
         DELTAFLASH_NO_CUDA_GRAPHS=1.
+    prefill_graphs: also replay prefill steps from graphs of fixed chunk shapes (lanes x a multiple of
+        64 rows, engine/runner.py: prefill_shapes); steps that fit none, or would pad more than about
+        twice their rows, run eagerly. None = with cuda_graphs unless DELTAFLASH_NO_PREFILL_GRAPHS=1.
     sync_phase_timing: sync the device between round phases (profiling: exact phase times, slower).
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
@@ -72,6 +76,7 @@ class EngineConfig:
     block_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool | None = None
+    prefill_graphs: bool | None = None
     batch_invariant: bool = False
     sync_phase_timing: bool = False
 
@@ -98,6 +103,10 @@ class EngineConfig:
         graphs = cuda and not _env_flag(env, ENV_NO_CUDA_GRAPHS) if self.cuda_graphs is None else self.cuda_graphs
         if graphs and not cuda:
             raise DeltaflashError("cuda_graphs needs a CUDA device")
+        prefill_graphs = graphs and not _env_flag(env, ENV_NO_PREFILL_GRAPHS) if self.prefill_graphs is None \
+            else self.prefill_graphs
+        if prefill_graphs and not graphs:
+            raise DeltaflashError("prefill_graphs needs cuda_graphs")
         if drafter_block is None:
             if self.block_size > 1:
                 raise DeltaflashError(f"block size {self.block_size} needs a drafter (--draft)")
@@ -120,7 +129,8 @@ class EngineConfig:
             if self.tree_budget > max_nodes(block - 1, self.tree_top_k, self.tree_budget):
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
-        return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, block_size=block, speculation=speculation,
+        return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
+                                   block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len)
 
     @property

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_ROWS = 64     # the chunked GDN kernels' chunk: prefill graph shapes are multiples of it
+PREFILL_MAX_ROWS = 2048  # longer chunks run eagerly (their host overhead is small beside their work)
 
 
 def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -39,6 +41,19 @@ def buckets_for(max_lanes: int, buckets: Sequence[int] = LANE_BUCKETS) -> tuple[
     """The buckets an engine of `max_lanes` lanes can meet: up to the first one >= max_lanes."""
     top = next((b for b in buckets if b >= max_lanes), buckets[-1])
     return tuple(b for b in buckets if b <= top)
+
+
+def prefill_shapes(budget: int, max_slots: int, max_model_len: int) -> tuple[tuple[int, int], ...]:
+    """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the
+    longest prompt, at most PREFILL_MAX_ROWS), each with as many lanes as the budget holds of T rows
+    (at least one, at most max_slots)."""
+    shapes, T = [], PREFILL_ROWS
+    top = min(budget, max_model_len, PREFILL_MAX_ROWS)
+    while True:
+        shapes.append((T, max(1, min(budget // T, max_slots))))
+        if T >= top:
+            return tuple(shapes)
+        T *= 2
 
 
 class LaneGraphs:
@@ -80,8 +95,10 @@ class CudaGraphs:
         self.functions: list[LaneGraphs] = []
         self.capture_s = 0.0
 
-    def add(self, name: str, fn: Callable, inputs: Sequence[tuple]) -> LaneGraphs:
-        graphs = LaneGraphs(name, fn, inputs, self.buckets, self.device, self.pool)
+    def add(self, name: str, fn: Callable, inputs: Sequence[tuple], max_lanes: int | None = None) -> LaneGraphs:
+        """Register fn (captured at every bucket, or at those up to max_lanes' bucket)."""
+        buckets = self.buckets if max_lanes is None else buckets_for(max_lanes, self.buckets)
+        graphs = LaneGraphs(name, fn, inputs, buckets, self.device, self.pool)
         self.functions.append(graphs)
         return graphs
 
@@ -91,7 +108,8 @@ class CudaGraphs:
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        jobs = [(bucket, graphs) for bucket in reversed(self.buckets) for graphs in self.functions]
+        jobs = [(bucket, graphs) for bucket in reversed(self.buckets) for graphs in self.functions
+                if bucket in graphs.buckets]
         with tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
             for bucket, graphs in bar:
                 bar.set_postfix_str(f"{graphs.name}, {bucket} lanes")

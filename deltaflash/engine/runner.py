@@ -22,7 +22,7 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import CudaGraphs, buckets_for
+from deltaflash.engine.graphs import CudaGraphs, buckets_for, prefill_shapes
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import use_batch_invariant_linears
@@ -109,6 +109,12 @@ class ModelRunner:
                 inputs = ((N,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((N,), torch.long, -1), \
                     ((N,), torch.long, 0)
                 self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
+        self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
+        if self.graphs is not None and config.prefill_graphs:
+            for T, lanes in prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len):
+                inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
+                    ((), torch.long, 0)
+                self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
 
     # ---- the page pool ------------------------------------------------------------------------
     def _plan_pages(self, config: EngineConfig, drafter) -> PagePlan:
@@ -250,12 +256,11 @@ class ModelRunner:
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> Accepted | None:
         """Run the chunks; returns the first tokens [n, 1] of the chunks that complete their prompt."""
-        batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
-        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
-        if self.source is not None and taps is not None:  # prompt rows become draft context
-            rows = torch.arange(batch.input_ids.shape[1], device=self.device)
-            kept = torch.where(rows[None] < batch.n_rows[:, None], batch.slot_ids[:, None], -1)
-            self.source.append(kept, batch.positions, taps)
+        logits = self._prefill_replay(chunks) if self.prefill_graphs else None
+        if logits is None:
+            batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
+            logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
+            self._append_prompt_rows(batch, taps)
         done = [i for i, c in enumerate(chunks) if c.emits]
         if not done:
             return None
@@ -266,6 +271,50 @@ class ModelRunner:
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         drafts = none[:, None][:, :0]
         return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs))
+
+    def _append_prompt_rows(self, batch: ExtendBatch, taps: Tensor | None, graphs: bool = True) -> None:
+        """A prefill's valid rows become draft context."""
+        if self.source is not None and taps is not None:
+            rows = torch.arange(batch.input_ids.shape[1], device=self.device)
+            kept = torch.where(rows[None] < batch.n_rows[:, None], batch.slot_ids[:, None], -1)
+            self.source.append(kept, batch.positions, taps, graphs=graphs)
+
+    def _prefill_rows(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, n_rows: Tensor,
+                      state_slots: Tensor) -> Tensor:
+        """What a prefill graph captures: the target's forward of a fixed-shape batch (ExtendBatch.padded)
+        and the drafter's context append of its rows. Returns the logits [L, V] at each lane's last row."""
+        batch = ExtendBatch.padded(input_ids, slot_ids, start, n_rows, state_slots)
+        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
+        self._append_prompt_rows(batch, taps, graphs=False)
+        return logits
+
+    def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> Tensor | None:
+        """The chunks' logits [n, V] from the prefill graph of the smallest shape that holds them, or
+        None when none does, when it would pad more than about twice their rows, or when padding lanes
+        would find no slot outside the batch to keep their state in."""
+        L, T = len(chunks), max(len(c.tokens) for c in chunks)
+        shape = next((t for t in self.prefill_graphs if t >= T), None)
+        if shape is None:
+            return None
+        graphs = self.prefill_graphs[shape]
+        lanes = next((b for b in graphs.buckets if b >= L), None)
+        rows = sum(len(c.tokens) for c in chunks)
+        if lanes is None or lanes * shape > 2 * rows + 64:
+            return None
+        slots = [c.seq.slot for c in chunks]
+        spare = 0 if lanes == L else next((s for s in range(self.pool.num_slots) if s not in slots), None)
+        if spare is None:
+            return None
+        pad = lanes - L
+        ids = [t for c in chunks for t in (*c.tokens, *[0] * (shape - len(c.tokens)))] + [0] * (pad * shape)
+        per_lane = (slots + [-1] * pad, [c.start for c in chunks] + [0] * pad,
+                    [len(c.tokens) for c in chunks] + [0] * pad, slots + [spare] * pad)
+        flat = to_device(ids + [v for column in per_lane for v in column], self.device)  # one transfer
+        input_ids, slot_ids, start, n_rows, state_slots = flat.split([lanes * shape, lanes, lanes, lanes, lanes])
+        (logits,) = graphs.run(input_ids.view(lanes, shape), slot_ids, start, n_rows, state_slots)
+        for c in chunks:  # what extend records from a batch's host mirrors
+            self.pool.lengths[c.seq.slot] = c.start + len(c.tokens)
+        return logits[:L]
 
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width

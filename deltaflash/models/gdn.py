@@ -12,6 +12,7 @@ from deltaflash.models.layers import GatedRMSNorm, MergedProjections
 from deltaflash.ops.kernels import Kernels
 from deltaflash.ops.conv.extend import causal_conv_extend
 from deltaflash.ops.gdn.chunk import (
+    chunk_gated_delta_rule_padded,
     chunk_gated_delta_rule_varlen,
     gdn_gates,
     l2_normalize,
@@ -67,6 +68,8 @@ class GatedDeltaNet(MergedProjections):
     def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
         """x [L, T, H] normed hidden. Reads and writes the lanes' conv history and recurrent state."""
         L, T, _ = x.shape
+        if batch.state_slots is not None:
+            return self._extend_padded(x, batch, pool, kernels)
         g_i = self.gdn_index
         lane_idx = batch.live_lanes
         slot_idx = batch.slot_ids[lane_idx]
@@ -93,6 +96,23 @@ class GatedDeltaNet(MergedProjections):
                                                             batch.cu_seqlens, batch.cu_seqlens_host)
             o.flatten(0, 1)[batch.packed_rows] = o_packed
         pool.recurrent_state[slot_idx, g_i] = state
+        return self._output(o, z, kernels)
+
+    def _extend_padded(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
+        """extend of a fixed-shape batch (ExtendBatch.padded): every lane's T rows through the padded
+        chunked rule; a lane without a slot writes its state slot's state back unchanged."""
+        g_i, slots = self.gdn_index, batch.state_slots
+        live = (batch.slot_ids >= 0)[:, None, None]
+        qkv, z, b, a = self.project(x)
+        history = pool.conv_history[slots, g_i]
+        conv_out, new_history = causal_conv_extend(qkv, history, self.conv_weight, batch.n_rows)
+        pool.conv_history[slots, g_i] = torch.where(live, new_history.to(history.dtype), history)
+        q, k, v = self._split_qkv(conv_out)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        state = pool.recurrent_state[slots, g_i]
+        q, k = self._repeat_key_heads(q), self._repeat_key_heads(k)
+        o, final = chunk_gated_delta_rule_padded(q, k, v, g, beta, state, batch.n_rows)
+        pool.recurrent_state[slots, g_i] = torch.where(live[..., None], final, state)
         return self._output(o, z, kernels)
 
     def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, window: torch.Tensor,

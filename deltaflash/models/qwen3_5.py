@@ -81,12 +81,12 @@ class Qwen35Model(nn.Module):
     @torch.inference_mode()
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
-        taps [L, T, n_taps*H] or None)."""
+        taps [L, T, n_taps*H] or None). A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
         L, T = batch.input_ids.shape
         device = batch.input_ids.device
         x = self.embed_tokens(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
-        kmax = max(s + n for s, n in zip(batch.start_host, batch.n_rows_host))
+        kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
                              slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
@@ -95,8 +95,8 @@ class Qwen35Model(nn.Module):
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
-        for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
-            if slot >= 0:
+        for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):  # (a fixed-shape
+            if slot >= 0:  # batch has no host mirrors: its caller records the lengths)
                 pool.lengths[slot] = start + n
         if all_logits:
             return self.logits(x, kernels), taps

@@ -40,9 +40,10 @@ class DraftSource(Protocol):
     def reset(self, slot: int) -> None:
         """Forget the slot's context (admission of a new sequence)."""
 
-    def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None) -> None:
+    def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None, graphs: bool = True) -> None:
         """Committed rows become context: slot_ids [L, T] (-1: a row that was not committed, or a
-        padding lane), positions [L, T], taps [L, T, n_taps*H]."""
+        padding lane), positions [L, T], taps [L, T, n_taps*H]. graphs=False: run eagerly (the call is
+        itself being captured into a CUDA graph)."""
 
     def draft(self, seqs: Sequence[Seq], slot_ids: Tensor, anchors: Tensor, start: Tensor,
               sampling: LaneSampling) -> tuple[Tensor, Tensor | None]:
@@ -94,11 +95,11 @@ class DFlashSource:
     def reset(self, slot: int) -> None:
         self.context.reset(slot)
 
-    def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None) -> None:
+    def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None, graphs: bool = True) -> None:
         if taps is None:
             return
         T, W = slot_ids.shape[1], self.block_size
-        if self.append_graphs is not None and T <= W:  # rounds up to the block's width replay its graph (narrower
+        if graphs and self.append_graphs is not None and T <= W:  # rounds up to the block's width replay its graph (narrower
             if self.append_graphs.run(*pad_rows(slot_ids, positions, taps, W)) is not None:  # ones padded: adaptive
                 return  # widths, a tree's path)
         self._append_rows(slot_ids, positions, taps)
@@ -166,7 +167,7 @@ class ScriptedSource:
     def reset(self, slot: int) -> None:
         pass
 
-    def append(self, slot_ids, positions, taps) -> None:
+    def append(self, slot_ids, positions, taps, graphs: bool = True) -> None:
         pass
 
     def draft_tree(self, seqs, slot_ids, anchors, start, budget, top_k):

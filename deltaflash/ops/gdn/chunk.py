@@ -70,6 +70,28 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: li
     return torch.cat(outs), torch.stack(finals)
 
 
+def chunk_gated_delta_rule_padded(q, k, v, g, beta, initial_states, n_rows):
+    """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, H, dk] raw; v: [L, T, H, dv];
+    g, beta: [L, T, H] fp32; initial_states [L, H, dk, dv] fp32; n_rows [L] (device): valid rows, first
+    in each lane. A padding row gets g = 0 and beta = 0: it writes nothing (its delta is beta times
+    something, so zero) and decays nothing, and it comes after every valid row, so each lane's valid
+    outputs and final state are those of its valid rows alone (the chunks start at row 0 as in the
+    packed layout). Returns (o [L, T, H, dv] fp32, garbage at padding rows; final_states [L, H, dk, dv])."""
+    valid = (torch.arange(q.shape[1], device=q.device)[None] < n_rows[:, None])[..., None]  # [L, T, 1]
+    g, beta = torch.where(valid, g, 0.0), torch.where(valid, beta, 0.0)
+    if q.is_cuda:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, final = chunk_gated_delta_rule(
+            q.to(v.dtype), k.to(v.dtype), v, g.float(), beta.to(v.dtype), scale=q.shape[-1] ** -0.5,
+            initial_state=initial_states.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )
+        return o.float(), final.float()
+    q, k = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+    outs = [chunk_gated_delta_rule_ref(q[i], k[i], v[i], g[i], beta[i], initial_states[i]) for i in range(q.shape[0])]
+    return torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
+
+
 def _fla_varlen(q, k, v, g, beta, initial_states, cu_seqlens, cu_seqlens_host):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

@@ -14,7 +14,9 @@ from deltaflash.ops.conv.naive import check_conv_commit_shapes
 from deltaflash.ops.gdn.naive import check_commit_lanes, check_replay_commit_shapes
 
 
-@triton.jit(do_not_specialize=["L"])  # any number of lanes, one binary (no compile mid-serving)
+# Any number of lanes, one binary (no compile mid-serving): L and the strides that scale with it (the log's and
+# the window's per-layer stride is L times a row) are not specialised by value.
+@triton.jit(do_not_specialize=["L", "stride_r_g"])
 def replay_commit_kernel(
     recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len,
     stride_s_s, stride_s_g, stride_s_h, stride_s_k, stride_s_v,
@@ -50,7 +52,7 @@ def replay_commit_kernel(
         tl.store(p_S, b_S, mask=m_S)
 
 
-@triton.jit(do_not_specialize=["L"])
+@triton.jit(do_not_specialize=["L", "stride_x_g"])
 def conv_commit_kernel(
     conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
     stride_h_s, stride_h_g, stride_h_c, stride_h_t,

@@ -1,0 +1,122 @@
+"""Prefill graphs (engine/runner.py, EngineConfig.prefill_graphs): a prefill step replayed from the graph of
+a fixed chunk shape - every lane padded to T rows, padding lanes on a spare slot - gives what the eager,
+packed prefill gives. On the CPU the captured function runs eagerly behind the same dispatch (no CUDA
+graphs there); DELTAFLASH_TEST_DEVICE=cuda runs the same tests on the real graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaflash.core.request import SamplingParams
+from deltaflash.engine.graphs import prefill_shapes
+from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
+from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("prefill-graphs"), block_size=4)
+
+
+class Replays:
+    """Wraps each prefill graph's `run` (or, on the CPU, stands in for the graphs by calling the captured
+    function eagerly) and records the slot ids of every replay."""
+
+    def __init__(self, runner):
+        self.calls: list[list[int]] = []
+        if DEVICE == "cpu":
+            config = runner.config
+            runner.prefill_graphs = {T: _Eager(runner._prefill_rows, lanes) for T, lanes in
+                                     prefill_shapes(config.max_num_batched_tokens, config.max_slots,
+                                                    config.max_model_len)}
+        assert runner.prefill_graphs, "the engine has no prefill graphs"
+        for graphs in runner.prefill_graphs.values():
+            graphs.run = self._recording(graphs.run)
+
+    def _recording(self, run):
+        def wrapped(*inputs):
+            self.calls.append(inputs[1].tolist())
+            return run(*inputs)
+        return wrapped
+
+
+class _Eager:
+    def __init__(self, fn, lanes: int):
+        self.fn, self.buckets = fn, tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= lanes)
+
+    def run(self, *inputs):
+        return (self.fn(*inputs),)
+
+
+def test_padded_chunked_rule_equals_the_packed_one():
+    """Padding rows (g = beta = 0) after a lane's valid rows change none of its outputs or its final
+    state; a lane of padding only keeps its initial state."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    L, T, H, dk, dv = 3, 130, 2, 16, 16
+    n = [7, 130, 0]
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    q, k, v = rand(L, T, H, dk), rand(L, T, H, dk), rand(L, T, H, dv)
+    gate, beta = -rand(L, T, H).abs() * 0.1, rand(L, T, H).sigmoid()
+    state = rand(L, H, dk, dv) * 0.1
+    o, final = chunk_gated_delta_rule_padded(q, k, v, gate, beta, state, torch.tensor(n, device=device))
+    live = [i for i in range(L) if n[i]]
+    pack = lambda t: torch.cat([t[i, :n[i]] for i in live])  # noqa: E731
+    o_ref, final_ref = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(gate), pack(beta), state[live],
+                                                     [n[i] for i in live])
+    torch.testing.assert_close(pack(o), o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final[live], final_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final[2], state[2], rtol=0, atol=1e-6)
+
+
+def test_prefill_graphs_give_the_eager_prefill(pair):
+    """Ragged prompts arriving while others decode: steps that fit a graph shape replay it (padding lanes
+    among them, on a slot of a decoding sequence), the rest run eagerly; every token and its log
+    probability, greedy and sampled, and the draft context equal the eager engine's."""
+    target, draft = pair
+    config = dict(max_slots=10, max_num_batched_tokens=256)
+    plain = engine_for(target, draft, prefill_graphs=False, **config)
+    graphed = engine_for(target, draft, **config)  # real graphs on CUDA; on the CPU Replays stands in
+    replays = Replays(graphed.runner)
+    # together: [1, 40, 9] pads too much for a graph; [30, 40, 45] replays 4 lanes, one of them padding
+    groups = [[5, 70], [3], [230], [1, 40, 9], [30, 40, 45]]
+    arrivals = prompts(96, [n for group in groups for n in group], seed=2)
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1)
+    sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=4, logprobs=1)
+
+    def serve(engine):
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+
+        def step():
+            for ev in engine.step():
+                tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+                logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs or ())
+        ids, queue = [], iter(arrivals)
+        for group in groups:  # a group arrives every other step
+            for _ in group:
+                ids.append(engine.add_request(next(queue), greedy if len(ids) % 2 else sampled))
+            step()
+            step()
+        while engine.has_work():
+            step()
+        return [tokens[i] for i in ids], [logprobs[i] for i in ids]
+
+    (want, want_lp), (got, got_lp) = serve(plain), serve(graphed)
+    assert got == want
+    for a, b in zip(got_lp, want_lp):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+    pages = slice(0, -1)  # the sink page takes whatever padding rows write
+    for a, b in ((graphed.runner.source.context.key, plain.runner.source.context.key),
+                 (graphed.runner.source.context.value, plain.runner.source.context.value)):
+        torch.testing.assert_close(a[:, pages], b[:, pages], rtol=1e-4, atol=1e-4)
+    assert replays.calls, "no prefill step replayed a graph"
+    assert any(-1 in slots for slots in replays.calls), "no replay had a padding lane"
+    assert graphed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
+
+
+def test_prefill_shapes_cover_the_step_budget():
+    assert prefill_shapes(512, 8, 4096) == ((64, 8), (128, 4), (256, 2), (512, 1))
+    assert prefill_shapes(100, 8, 4096) == ((64, 1), (128, 1))  # a 65..100-row chunk needs 128 rows
+    assert prefill_shapes(8192, 2, 1000) == ((64, 2), (128, 2), (256, 2), (512, 2), (1024, 2))

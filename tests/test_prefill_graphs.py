@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltaflash.core.request import SamplingParams
-from deltaflash.engine.graphs import prefill_shapes
+from deltaflash.engine.graphs import PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
 from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
 
@@ -117,6 +117,12 @@ def test_prefill_graphs_give_the_eager_prefill(pair):
 
 
 def test_prefill_shapes_cover_the_step_budget():
-    assert prefill_shapes(512, 8, 4096) == ((64, 8), (128, 4), (256, 2), (512, 1))
-    assert prefill_shapes(100, 8, 4096) == ((64, 1), (128, 1))  # a 65..100-row chunk needs 128 rows
+    """Shapes up to the budget's rows, each with the lanes that pad a full step at most twice over."""
+    assert prefill_shapes(512, 64, 4096) == ((64, 16), (128, 8), (256, 4), (512, 2))
+    assert prefill_shapes(512, 8, 4096) == ((64, 8), (128, 8), (256, 4), (512, 2))
+    assert prefill_shapes(100, 8, 4096) == ((64, 4), (128, 2))  # a 65..100-row chunk needs 128 rows
     assert prefill_shapes(8192, 2, 1000) == ((64, 2), (128, 2), (256, 2), (512, 2), (1024, 2))
+    for budget in (100, 512, 8192):  # a full step of the widest chunks fits the widest shape's lanes
+        shapes = prefill_shapes(budget, 64, 100_000)
+        T, lanes = shapes[-1]
+        assert T >= min(budget, PREFILL_MAX_ROWS) and lanes * T <= padded_rows_allowed(budget)

@@ -53,6 +53,16 @@ def copy_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def matmul_tflops(device, n: int = 8192) -> float:
+    """Measured bf16 GEMM rate in TFLOP/s (an n x n x n product; 256 on the CPU): the rate a compute
+    limit divides by."""
+    n = n if torch.device(device).type == "cuda" else 256
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    ms = time_ms(lambda: a @ b, warmup=3, iters=10)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
 def machine() -> dict:
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "host": platform.node(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

@@ -1,13 +1,16 @@
 """`deltaflash bench model`: prefill and batched decode of a Qwen3.5-9B-shaped model (random bf16
-weights) as ratios to the weight-read limit, side by side with transformers on the same weights."""
+weights) as ratios to the weight-read limit, side by side with transformers on the same weights; and
+time to first token through an engine at the serve defaults against transformers' forward and the
+compute limit (weight read, or prefill FLOPs at the measured bf16 GEMM rate, whichever is longer)."""
 
 from __future__ import annotations
 
 import torch
 
-from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, time_ms, write_json
-from deltaflash.cache.slots import SlotPool
+from deltaflash.bench.common import copy_bandwidth_gbs, machine, matmul_tflops, print_table, time_ms, write_json
+from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import ExtendBatch
+from deltaflash.core.request import SamplingParams
 from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
 from deltaflash.ops.kernels import reference_kernels, triton_kernels
 
@@ -101,8 +104,53 @@ def run(args) -> dict:
     print_table("Qwen3.5-9B shape, random bf16 weights (ratios: measured / weight-read limit)", rows)
     result = {"machine": machine(), "weight_bytes": total_bytes, "weight_read_bytes": read_bytes,
               "copy_bandwidth_gbs": bw, "weight_read_limit_ms": limit_ms, "rows": rows}
+    if args.ttft_tokens:
+        del pool
+        result["ttft"] = ttft_rows(model, hf, args.ttft_tokens, limit_ms, gen)
     write_json(args.json, result)
     return result
+
+
+def prefill_flops(cfg, tokens: int, read_bytes: int) -> float:
+    """A lower bound on one prompt's prefill FLOPs: every read weight (bf16) once per token except the
+    lm_head (its last row only), plus causal attention (2 T^2 head_dim per head and layer); the GDN
+    layers' chunked recurrence is left out (a small share at these shapes)."""
+    lm_head = cfg.vocab_size * cfg.hidden_size
+    weights = read_bytes // 2 - lm_head
+    attention = 2 * tokens * tokens * cfg.num_heads * cfg.head_dim * len(cfg.attn_layer_ids)
+    return 2 * weights * tokens + 2 * lm_head + attention
+
+
+def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
+    """Time to first token of one prompt per length: our engine at the serve defaults (one slot; chunked
+    prefill under the default step budget, graphs where a chunk fits one), transformers' forward of the
+    prompt (last row's logits, argmax), and the compute limit."""
+    from deltaflash.engine.config import EngineConfig
+    from deltaflash.engine.engine import Engine
+
+    cfg, device = model.cfg, model.embed_tokens.weight.device
+    _, read_bytes = weight_bytes(model)
+    rate = matmul_tflops(device)
+    longest = max(lengths)
+    pages = 2 * kv_bytes_per_token(cfg, torch.bfloat16) * (longest + 256)
+    engine = Engine(model, None, None, EngineConfig(max_slots=1, max_model_len=longest + 8, kv_cache_memory=pages))
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    rows = []
+    for n in lengths:
+        prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+        compute_ms = max(limit_ms, prefill_flops(cfg, n, read_bytes) / (rate * 1e12) * 1e3)
+        row = {"prompt_tokens": n, "deltaflash_ms": time_ms(lambda: engine.generate([prompt], params), 1, 3),
+               "compute_limit_ms": compute_ms}
+        if hf is not None:
+            ids = torch.tensor([prompt], device=device)
+            row["transformers_ms"] = time_ms(lambda: hf(ids, use_cache=False, logits_to_keep=1).logits.argmax(-1), 1, 3)
+            row["speedup_vs_transformers"] = row["transformers_ms"] / row["deltaflash_ms"]
+        row["deltaflash_x_limit"] = row["deltaflash_ms"] / compute_ms
+        rows.append(row)
+    print(f"bf16 GEMM rate {rate:.0f} TFLOP/s (measured); engine: one slot, step budget "
+          f"{engine.config.max_num_batched_tokens} tokens, prefill graphs {engine.config.prefill_graphs}")
+    print_table("time to first token, one prompt (ratios: deltaflash / compute limit)", rows)
+    return rows
 
 
 def register(sub) -> None:
@@ -111,6 +159,8 @@ def register(sub) -> None:
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence at decode")
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--ttft-tokens", type=int, nargs="*", default=[64, 256, 1024, 2048, 8192, 32768],
+                   help="prompt lengths of the time-to-first-token table (none: skip it)")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=run)

@@ -43,14 +43,23 @@ def buckets_for(max_lanes: int, buckets: Sequence[int] = LANE_BUCKETS) -> tuple[
     return tuple(b for b in buckets if b <= top)
 
 
+def padded_rows_allowed(rows: int) -> int:
+    """Rows a prefill graph may run for a step of `rows` prompt rows: its padding at most doubles it
+    (plus one chunk), so a replay never costs much more device time than the eager prefill."""
+    return 2 * rows + PREFILL_ROWS
+
+
 def prefill_shapes(budget: int, max_slots: int, max_model_len: int) -> tuple[tuple[int, int], ...]:
     """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the
-    longest prompt, at most PREFILL_MAX_ROWS), each with as many lanes as the budget holds of T rows
-    (at least one, at most max_slots)."""
+    longest prompt, at most PREFILL_MAX_ROWS). A step holds at most `budget` rows and may replay a shape
+    padding it to about twice that (the runner's rule), so shape T has the largest lane bucket of at
+    most padded_rows_allowed(budget) / T lanes (at least one, at most max_slots): three chunks of 170 rows
+    fit 4 x 256."""
     shapes, T = [], PREFILL_ROWS
     top = min(budget, max_model_len, PREFILL_MAX_ROWS)
     while True:
-        shapes.append((T, max(1, min(budget // T, max_slots))))
+        fit = max((b for b in LANE_BUCKETS if b * T <= padded_rows_allowed(budget)), default=1)
+        shapes.append((T, min(fit, max_slots)))
         if T >= top:
             return tuple(shapes)
         T *= 2

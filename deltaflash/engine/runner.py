@@ -22,7 +22,7 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import CudaGraphs, buckets_for, prefill_shapes
+from deltaflash.engine.graphs import CudaGraphs, buckets_for, padded_rows_allowed, prefill_shapes
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import use_batch_invariant_linears
@@ -299,7 +299,7 @@ class ModelRunner:
         graphs = self.prefill_graphs[shape]
         lanes = next((b for b in graphs.buckets if b >= L), None)
         rows = sum(len(c.tokens) for c in chunks)
-        if lanes is None or lanes * shape > 2 * rows + 64:
+        if lanes is None or lanes * shape > padded_rows_allowed(rows):
             return None
         slots = [c.seq.slot for c in chunks]
         spare = 0 if lanes == L else next((s for s in range(self.pool.num_slots) if s not in slots), None)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
+from deltaflash.server.metrics import Metrics
 from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
 
 
@@ -85,12 +87,14 @@ def test_prefill_graphs_give_the_eager_prefill(pair):
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1)
     sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=4, logprobs=1)
 
-    def serve(engine):
+    metrics = Metrics(4)
+
+    def serve(engine, on_report=None):
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[float]] = {}
 
         def step():
-            for ev in engine.step():
+            for ev in engine.step(on_report):
                 tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
                 logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs or ())
         ids, queue = [], iter(arrivals)
@@ -103,7 +107,7 @@ def test_prefill_graphs_give_the_eager_prefill(pair):
             step()
         return [tokens[i] for i in ids], [logprobs[i] for i in ids]
 
-    (want, want_lp), (got, got_lp) = serve(plain), serve(graphed)
+    (want, want_lp), (got, got_lp) = serve(plain), serve(graphed, metrics.observe_step)
     assert got == want
     for a, b in zip(got_lp, want_lp):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
@@ -114,6 +118,9 @@ def test_prefill_graphs_give_the_eager_prefill(pair):
     assert replays.calls, "no prefill step replayed a graph"
     assert any(-1 in slots for slots in replays.calls), "no replay had a padding lane"
     assert graphed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
+    steps = {s.labels["path"]: s.value for f in text_string_to_metric_families(metrics.render().decode())
+             for s in f.samples if s.name == "deltaflash_prefill_steps_total"}
+    assert steps["graph"] == len(replays.calls) and steps["eager"] > 0  # /metrics tells the two apart
 
 
 def test_prefill_shapes_cover_the_step_budget():

@@ -210,6 +210,7 @@ class StepReport:
     pages_used: int = 0
     pages_total: int = 0
     admitted_ids: tuple[str, ...] = ()  # request ids admitted this step (readmissions after a preemption too)
+    prefill_graphed: bool = False  # its prefill replayed a prefill CUDA graph (else it ran eagerly)
 
 
 @dataclass(frozen=True)

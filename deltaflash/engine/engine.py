@@ -178,7 +178,8 @@ class Engine:
             used, total = self.page_usage
             on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
-                                 len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted)))
+                                 len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted),
+                                 result.prefill_graphed))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:

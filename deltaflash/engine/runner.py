@@ -58,6 +58,7 @@ class StepResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     phases: RoundPhases = RoundPhases()
+    prefill_graphed: bool = False  # the step's prefill replayed a prefill graph
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ class ModelRunner:
             if self.source is not None:
                 self.source.reset(seq.slot)
         t0 = time.perf_counter()
-        first = self._prefill(plan.prefill) if plan.prefill else None
+        first, graphed = self._prefill(plan.prefill) if plan.prefill else (None, False)
         t1 = clock = time.perf_counter()
         round_, marks = None, []
         if plan.decode:
@@ -252,25 +253,28 @@ class ModelRunner:
             marks.append(self._now())
         phases = RoundPhases(*(b - a for a, b in zip([clock, *marks], marks))) if round_ else RoundPhases()
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
-                          decode_s=time.perf_counter() - t1 if round_ else 0.0, phases=phases)
+                          decode_s=time.perf_counter() - t1 if round_ else 0.0, phases=phases,
+                          prefill_graphed=graphed)
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> Accepted | None:
-        """Run the chunks; returns the first tokens [n, 1] of the chunks that complete their prompt."""
+    def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Accepted | None, bool]:
+        """Run the chunks; returns (the first tokens [n, 1] of the chunks that complete their prompt, or
+        None; whether a prefill graph ran them)."""
         logits = self._prefill_replay(chunks) if self.prefill_graphs else None
+        graphed = logits is not None
         if logits is None:
             batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
             logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
             self._append_prompt_rows(batch, taps)
         done = [i for i, c in enumerate(chunks) if c.emits]
         if not done:
-            return None
+            return None, graphed
         seqs = [chunks[i].seq for i in done]
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
         rows = (logits if len(done) == len(chunks) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         drafts = none[:, None][:, :0]
-        return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs))
+        return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed
 
     def _append_prompt_rows(self, batch: ExtendBatch, taps: Tensor | None, graphs: bool = True) -> None:
         """A prefill's valid rows become draft context."""

@@ -53,6 +53,9 @@ class Metrics:
                                                  "--max-num-batched-tokens step budget left after the round)",
                                                  buckets=(1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
                                                  registry=r)
+        self.prefill_steps = Counter("deltaflash_prefill_steps", "Steps that prefilled, by how: 'graph' replayed a "
+                                     "prefill CUDA graph, 'eager' fit none (or padding would double it)", ["path"],
+                                     registry=r)
         self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.ttft = Histogram("deltaflash_time_to_first_token_seconds", "Submission to first generated token",
@@ -72,6 +75,7 @@ class Metrics:
         if report.prefill_tokens:
             self.phase_seconds.labels(phase="prefill").observe(report.prefill_s)
             self.prefill_tokens_per_step.observe(report.prefill_tokens)
+            self.prefill_steps.labels(path="graph" if report.prefill_graphed else "eager").inc()
         if report.decode_lanes:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
         for n in report.accepted_lengths:

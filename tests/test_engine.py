@@ -136,6 +136,13 @@ def test_config_is_resolved_once_with_the_environment():
                                                     "DELTAFLASH_NO_CUDA_GRAPHS": "1"})
     assert (resolved.kernels, resolved.cuda_graphs, resolved.block_size) == ("reference", False, 8)
     assert EngineConfig().resolve(cuda, 8, env={}).cuda_graphs is True
+    assert EngineConfig().resolve(cuda, 8, env={}).prefill_graphs is True  # with the rounds' graphs
+    assert EngineConfig().resolve(cpu, 8, env={}).prefill_graphs is False
+    assert resolved.prefill_graphs is False  # no graphs at all
+    alone = EngineConfig().resolve(cuda, 8, env={"DELTAFLASH_NO_PREFILL_GRAPHS": "1"})
+    assert (alone.cuda_graphs, alone.prefill_graphs) == (True, False)
+    with pytest.raises(DeltaflashError, match="prefill_graphs needs cuda_graphs"):
+        EngineConfig(cuda_graphs=False, prefill_graphs=True).resolve(cuda, 8)
     with pytest.raises(DeltaflashError, match="needs a drafter"):
         EngineConfig(block_size=4).resolve(cpu, None)
     with pytest.raises(DeltaflashError, match="max_slots"):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
+from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
 from deltaflash.server.metrics import Metrics
 from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
@@ -133,3 +135,43 @@ def test_prefill_shapes_cover_the_step_budget():
         shapes = prefill_shapes(budget, 64, 100_000)
         T, lanes = shapes[-1]
         assert T >= min(budget, PREFILL_MAX_ROWS) and lanes * T <= padded_rows_allowed(budget)
+
+
+def test_preempted_sequences_resume_exactly_through_prefill_graphs(pair):
+    """A page pool too small for four sequences: the newest are preempted and recomputed from prompt and
+    generated tokens, their prefills replayed from the graphs (padding lanes included); every output
+    equals that of an eager engine with room for all, and every page comes back."""
+    from tests.test_pages import page_bytes
+
+    batch = prompts(96, [10, 7, 12, 9], seed=4)
+    config = dict(max_slots=4, max_model_len=64, page_size=4, max_num_batched_tokens=64)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    roomy, _ = engine_for(pair[0], pair[1], prefill_graphs=False, **config).generate(batch, params)
+    tight = engine_for(pair[0], pair[1], kv_cache_memory=26 * page_bytes(pair[0], pair[1], page_size=4), **config)
+    replays = Replays(tight.runner)
+    done, _ = tight.generate(batch, params)
+    assert [c.token_ids for c in done] == [c.token_ids for c in roomy]
+    # the first step's four prompts run eagerly (the 64-row shape holds two lanes at this budget); the
+    # resumed sequences' recomputations replay it
+    assert tight.stats["preemptions"] > 0 and replays.calls
+    assert tight.scheduler.pages.num_free == tight.scheduler.pages.num_pages
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not isinstance(paged_attention_kernel, InterpretedFunction),
+                    reason="the Triton route on CPU needs TRITON_INTERPRET=1 before import")
+def test_prefill_graphs_on_the_fused_kernels(pair):
+    """The fused kernel set (what the graphs capture on a GPU; interpreted on the CPU) over padded lanes and
+    rows: the paged attention kernel reads no further than each lane's rows, padding lanes (slot -1)
+    touch nothing; the output and log probabilities equal the eager prefill's."""
+    batch = prompts(96, [40, 35, 30], seed=6)  # together: 4 lanes x 64 rows, one a padding lane
+    config = dict(max_slots=4, max_model_len=96, page_size=4, kernels="triton")
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    plain, _ = engine_for(pair[0], pair[1], prefill_graphs=False, **config).generate(batch, params)
+    engine = engine_for(pair[0], pair[1], **config)
+    replays = Replays(engine.runner)
+    done, _ = engine.generate(batch, params)
+    assert replays.calls and any(-1 in slots for slots in replays.calls)
+    assert [c.token_ids for c in done] == [c.token_ids for c in plain]
+    for got, want in zip(done, plain):
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
+                                   torch.tensor([lp.logprob for lp in want.logprobs]), rtol=1e-4, atol=1e-4)

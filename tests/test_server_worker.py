@@ -188,22 +188,42 @@ def test_text_stream_holds_back_possible_stop_prefixes():
 
 
 def test_text_stream_deltas_equal_full_decode(folder):
+    """Incremental text equals the full decode (random bytes: cut and invalid UTF-8; a special token at
+    every place), in the Rust window (DecodeStream) and the Python one alike, piece by piece."""
     from deltaflash.tokenizer import DecodeOptions, decode, load_tokenizer
 
     tok = load_tokenizer(folder)
+    assert TextStream(tok)._stream is not None and TextStream(PythonDecode(tok))._stream is None
     g = torch.Generator().manual_seed(0)
     for i in range(20):
         ids = torch.randint(0, 320, (40,), generator=g).tolist()  # random bytes: cut and invalid UTF-8
         ids[i] = 0  # the special end-of-text token, at every place
         for options in (DecodeOptions(), DecodeOptions(skip_special_tokens=False)):
-            ts, pieces = TextStream(tok, options=options), []
-            for t in ids:
-                ts.push(t)
-                pieces.append(ts.take())
-            ts.finish()
-            pieces.append(ts.take(final=True))
-            assert "".join(pieces) == decode(tok, ids, options)
-            assert ("<|endoftext|>" in "".join(pieces)) == (not options.skip_special_tokens)
+            streamed = []
+            for stream in (TextStream(tok, options=options), TextStream(PythonDecode(tok), options=options)):
+                pieces = []
+                for t in ids:
+                    stream.push(t)
+                    pieces.append(stream.take())
+                stream.finish()
+                pieces.append(stream.take(final=True))
+                assert "".join(pieces) == decode(tok, ids, options)
+                assert ("<|endoftext|>" in "".join(pieces)) == (not options.skip_special_tokens)
+                streamed.append(pieces)
+            assert streamed[0] == streamed[1]  # the Rust window releases text exactly when the Python one does
+    ids = tok.encode("the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    full = decode(tok, ids)
+    for stream in (TextStream(tok, ("fox",)), TextStream(PythonDecode(tok), ("fox",))):
+        for t in ids:
+            stream.push(t)
+        assert stream.stopped and stream.text == full[:full.index("fox")] == stream.take()
+
+
+class PythonDecode:
+    """The tokenizer without its Rust backend in view: TextStream's window runs in Python."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
 
 
 def test_drain_deadline_answers_503_and_queue_time_is_per_admission(folder):

@@ -4,7 +4,9 @@ single tokens, which logprobs name tokens by.
 Text advances over a window of token ids [prefix, ...): the window's first tokens give the decoder
 its left context (leading spaces), and the read offset only moves when the newest text ends on a
 complete character, so the concatenated deltas equal `decode(all ids)` (deltaflash.tokenizer's rule,
-special tokens dropped unless the request keeps them).
+special tokens dropped unless the request keeps them). A fast (Rust) tokenizer whose decode is its
+backend's alone (no clean-up pass) runs that same window in Rust (`tokenizers.decoders.DecodeStream`):
+about a third of the host time per token (bench/textstream_cost.py), on the engine worker's thread.
 """
 
 from __future__ import annotations
@@ -31,13 +33,20 @@ class TextStream:
         self.read_offset = 0    # tokens before this are in `text`
         self.text = ""
         self.taken = 0          # characters of `text` handed out by take()
+        self.emitted = 0        # characters decoded so far (a stop string's cut included)
         self.stopped = False
+        self._backend, self._stream = _decode_stream(tokenizer, options)
 
     def push(self, token_id: int) -> None:
         if self.stopped:
             return
         self.ids.append(token_id)
         if self.tokenizer is None:
+            return
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if delta:
+                self._append(delta)
             return
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
@@ -47,7 +56,12 @@ class TextStream:
 
     def finish(self) -> None:
         """No more tokens: flush text still held for an incomplete character."""
-        if self.tokenizer is None or self.stopped or self.read_offset == len(self.ids):
+        if self.tokenizer is None or self.stopped:
+            return
+        if self._stream is not None:  # what it still holds back: the full decode's tail
+            self._append(self._decode(self.ids)[self.emitted:])
+            return
+        if self.read_offset == len(self.ids):
             return
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
@@ -63,6 +77,9 @@ class TextStream:
         return out
 
     def _append(self, delta: str) -> None:
+        if not delta:
+            return
+        self.emitted += len(delta)
         search_from = max(0, len(self.text) - self.longest_stop + 1)
         self.text += delta
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop_strings) if i >= 0]
@@ -79,6 +96,19 @@ class TextStream:
 
     def _decode(self, ids: list[int]) -> str:
         return decode(self.tokenizer, ids, self.options)
+
+
+def _decode_stream(tokenizer, options: DecodeOptions):
+    """(backend, a fresh DecodeStream) when the tokenizer's decode is exactly its Rust backend's (a fast
+    tokenizer without the clean-up pass), else (None, None): TextStream then runs the window in Python."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None, None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers before 0.21
+        return None, None
+    return backend, DecodeStream(skip_special_tokens=options.skip_special_tokens)
 
 
 @dataclass(frozen=True)

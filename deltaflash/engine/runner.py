@@ -143,10 +143,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _probe_peak_bytes(self, config: EngineConfig, drafter) -> int:
-        """Peak activation bytes of an eager prefill chunk plus those of a round (draft, verify) at the
-        largest lane bucket, measured on a probe pool of static pages for a few positions per slot."""
+        """Peak activation bytes of the largest prefill step (the budget's rows; with prefill graphs, the
+        rows a padded step may reach) plus those of a round (draft, verify) at the largest lane bucket,
+        measured on a probe pool of static pages for a few positions per slot."""
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
-        chunk = min(config.max_num_batched_tokens, config.max_model_len)
+        rows = config.max_num_batched_tokens
+        if config.prefill_graphs:
+            rows = max(T * n for T, n in prefill_shapes(rows, config.max_slots, config.max_model_len))
+        chunk = min(rows, config.max_model_len)
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
         source = None
         if drafter is not None:

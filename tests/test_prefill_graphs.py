@@ -19,8 +19,14 @@ from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("prefill-graphs"), block_size=4)
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefill-graphs")
+    return {kind: make_pair(root, kind=kind, block_size=4) for kind in ("dense_gqa", "moe")}
+
+
+@pytest.fixture(scope="module")
+def pair(pairs):
+    return pairs["dense_gqa"]
 
 
 class Replays:
@@ -74,11 +80,12 @@ def test_padded_chunked_rule_equals_the_packed_one():
     torch.testing.assert_close(final[2], state[2], rtol=0, atol=1e-6)
 
 
-def test_prefill_graphs_give_the_eager_prefill(pair):
+@pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
+def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     """Ragged prompts arriving while others decode: steps that fit a graph shape replay it (padding lanes
     among them, on a slot of a decoding sequence), the rest run eagerly; every token and its log
-    probability, greedy and sampled, and the draft context equal the eager engine's."""
-    target, draft = pair
+    probability, greedy and sampled, and the draft context equal the eager engine's. Dense and MoE."""
+    target, draft = pairs[kind]
     config = dict(max_slots=10, max_num_batched_tokens=256)
     plain = engine_for(target, draft, prefill_graphs=False, **config)
     graphed = engine_for(target, draft, **config)  # real graphs on CUDA; on the CPU Replays stands in

@@ -42,6 +42,9 @@ class Qwen35Model(nn.Module):
     """Parameter names are those of the checkpoint's text stack without its `model.` prefix."""
 
     linear = staticmethod(torch.nn.functional.linear)  # the lm_head's product (models/layers.py)
+    # what adds a layer output's shares over the ranks under tensor parallelism (parallel/tensor.py);
+    # one rank: the output is whole already
+    reduce = staticmethod(lambda t: t)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -71,9 +74,9 @@ class Qwen35Model(nn.Module):
         taps = []
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x, kernels)
-            x = x + (gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
+            x = x + self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
             h = layer.post_attention_layernorm(x, kernels)
-            x = x + (layer.mlp(h, kernels) if layer.is_moe else layer.mlp(h))
+            x = x + self.reduce(layer.mlp(h, kernels) if layer.is_moe else layer.mlp(h))
             if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
                 taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)

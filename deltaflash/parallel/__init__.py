@@ -1,0 +1,1 @@
+"""Running one model over several devices: tensor parallelism (tensor.py)."""

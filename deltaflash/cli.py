@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from deltaflash.engine.args import add_engine_args, engine_from_args
+from deltaflash.engine.args import add_engine_args, check_engine_flags, engine_from_args
 from deltaflash.errors import DeltaflashError
 
 
@@ -36,17 +36,45 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from deltaflash.core.request import SamplingParams
-    from deltaflash.tokenizer import decode, encode_chat, encode_prompt, utf8_length
+    from deltaflash.tokenizer import utf8_length
 
     # the prompt and the sampling flags are checked before any weight loads
     if args.prompt_ids is not None:
-        prompt = _prompt_ids(args.prompt_ids)
+        _prompt_ids(args.prompt_ids)
     else:
         utf8_length(args.prompt, "--prompt")
+    SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos).validate()
+    if args.tensor_parallel_size > 1:
+        import torch
+
+        from deltaflash.parallel.launch import run_ranks
+
+        check_engine_flags(args)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        payload = run_ranks(_generate, args.tensor_parallel_size, torch.device(device).type, args)
+    else:
+        payload = _generate(None, args)
+    if args.json:
+        print(json.dumps(payload))
+    else:
+        text = payload["text"]
+        print(text if text is not None else " ".join(map(str, payload["token_ids"])))
+        print(json.dumps(payload["stats"]), file=sys.stderr)
+    return 0
+
+
+def _generate(tensor_parallel, args) -> dict:
+    """One `generate` on this process's engine (a rank's, under --tensor-parallel-size): {token_ids, text,
+    stats}."""
+    from deltaflash.core.request import SamplingParams
+    from deltaflash.tokenizer import decode, encode_chat, encode_prompt
+
+    prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    params.validate()
-    engine = engine_from_args(args, progress=not args.json)
+    rank = tensor_parallel.rank if tensor_parallel is not None else 0
+    engine = engine_from_args(args, progress=not args.json and rank == 0, tensor_parallel=tensor_parallel)
     tok = engine.tokenizer
     if args.chat:
         prompt = encode_chat(tok, [{"role": "user", "content": args.prompt}])
@@ -63,6 +91,8 @@ def cmd_generate(args) -> int:
         "elapsed_s": round(elapsed, 4),
         "tokens_per_second": round(len(done.token_ids) / elapsed, 2) if elapsed > 0 else None,
     }
+    if engine.config.tensor_parallel_size > 1:
+        stats.update(tensor_parallel_size=engine.config.tensor_parallel_size)
     if engine.config.speculative:
         acc = done.accepted_lengths
         stats.update(block_size=engine.config.block_size, accepted_lengths=acc,
@@ -70,12 +100,7 @@ def cmd_generate(args) -> int:
                      speculation=engine.config.speculation, round_widths=done.widths)
         if engine.config.tree_budget:
             stats.update(tree_budget=engine.config.tree_budget)
-    if args.json:
-        print(json.dumps({"token_ids": done.token_ids, "text": text, "stats": stats}))
-    else:
-        print(text if text is not None else " ".join(map(str, done.token_ids)))
-        print(json.dumps(stats), file=sys.stderr)
-    return 0
+    return {"token_ids": done.token_ids, "text": text, "stats": stats}
 
 
 def main(argv: list[str] | None = None) -> int:

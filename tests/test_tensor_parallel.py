@@ -4,6 +4,10 @@ of the single model's."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,11 +16,15 @@ import torch.multiprocessing as mp
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
 from deltaflash.core.batch import ExtendBatch, VerifyBatch
+from deltaflash.core.request import SamplingParams
+from deltaflash.engine.engine import Engine
 from deltaflash.errors import UnsupportedModelError
 from deltaflash.models.loader import load_model
 from deltaflash.ops.kernels import reference_kernels
+from deltaflash.parallel.launch import run_ranks
 from deltaflash.parallel.tensor import shard_config, shard_model
 from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.spec_pairs import make_pair
 
 PROMPTS = ([5, 17, 3, 44, 9, 21, 60], [8, 2, 71])
 DRAFTS = ([30, 12, 7, 55], [1, 90, 4, 33])  # a verify round after the prompts: anchor + 3 drafts per lane
@@ -77,3 +85,53 @@ def test_shares_must_divide_the_heads_and_moe_is_refused(target, tmp_path):
     moe = ModelConfig.from_folder(save_checkpoint(build_hf_model("moe"), tmp_path / "moe"))
     with pytest.raises(UnsupportedModelError, match="MoE"):
         shard_config(moe, 2)
+
+
+def _serve_prompts(tp, target: str, draft: str, out: str) -> list[list[int]]:
+    """A rank's engine generating ragged prompts together, greedy, seeded and unseeded sampled; each rank
+    writes what it generated (the ranks must agree without being told)."""
+    engine = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False,
+                                    tensor_parallel=tp, max_slots=4, max_model_len=96, max_num_batched_tokens=32)
+    params = [SamplingParams(max_new_tokens=14, ignore_eos=True),
+              SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.8, seed=7),
+              SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=1.0),  # unseeded
+              SamplingParams(max_new_tokens=9, ignore_eos=True)]
+    done, _ = engine.generate([list(p) for p in PROMPTS] + [[4, 4, 9], list(range(3, 40))], params)
+    tokens = [c.token_ids for c in done]
+    torch.save((tokens, [c.accepted_lengths for c in done], engine.config.speculation), f"{out}/engine{tp.rank}.pt")
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("tp-pair"), block_size=4)
+
+
+def test_tensor_parallel_engine_serves_what_one_device_serves(pair, tmp_path):
+    """Two ranks of a speculative engine (gloo, CPU) serve ragged prompts in chunks, greedy and sampled:
+    both ranks emit the same tokens (unseeded requests too: their seeds are common), and the seeded
+    ones equal a single-device engine's, drafts accepted alike."""
+    target, draft = map(str, pair)
+    tokens = run_ranks(_serve_prompts, 2, "cpu", target, draft, str(tmp_path))
+    (a, acc_a, spec_a), (b, acc_b, _) = (torch.load(tmp_path / f"engine{r}.pt") for r in range(2))
+    assert a == b == tokens and acc_a == acc_b and spec_a == "fixed"
+    single = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False, max_slots=4,
+                                    max_model_len=96, max_num_batched_tokens=32, speculation="fixed")
+    params = [SamplingParams(max_new_tokens=14, ignore_eos=True),
+              SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.8, seed=7)]
+    want, _ = single.generate([list(p) for p in PROMPTS], params)
+    assert [c.token_ids for c in want] == a[:2] and [c.accepted_lengths for c in want] == acc_a[:2]
+    assert max(n for lens in acc_a for n in lens) > 1  # drafts were accepted
+
+
+def test_cli_generate_on_two_ranks_equals_one(pair):
+    target, draft = map(str, pair)
+    base = [sys.executable, "-m", "deltaflash", "generate", "--model", target, "--draft", draft, "--prompt-ids",
+            "5,17,3,44,9", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--dtype", "float32", "--json",
+            "--speculation", "fixed"]
+    one, two = (json.loads(subprocess.run(base + extra, capture_output=True, text=True, check=True, timeout=300).stdout)
+                for extra in ([], ["--tensor-parallel-size", "2"]))
+    assert two["token_ids"] == one["token_ids"] and two["stats"]["tensor_parallel_size"] == 2
+    assert two["stats"]["accepted_lengths"] == one["stats"]["accepted_lengths"]
+    bad = subprocess.run(base + ["--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "rank" in bad.stderr and "does not divide" in bad.stderr

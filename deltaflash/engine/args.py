@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
                    help="memory of the K/V page pool, e.g. 2GiB, 512MiB or bytes (default: 2GiB on CPU; on CUDA "
                         "what --gpu-memory-utilization leaves)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs (or CPU processes) the target is sharded over, one process each (dense targets; "
+                        "`generate` only so far)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine may use in all: weights, slot state, CUDA graphs, "
                         "activations and the K/V pages that fill the rest (default 0.9)")
@@ -69,16 +72,22 @@ def check_engine_flags(args) -> None:
         raise DeltaflashError(f"--tree-budget must be 0 or in [2, 64], got {args.tree_budget}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise DeltaflashError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.tensor_parallel_size < 1:
+        raise DeltaflashError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
 
 
-def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
+def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_parallel=None, **config):
     """The engine `add_engine_args` flags describe (the bundled demo pair without --model);
-    `config`: more EngineConfig fields."""
+    `config`: more EngineConfig fields. tensor_parallel: this rank's place when the command runs on
+    --tensor-parallel-size ranks (parallel/launch.py)."""
     import torch  # here, not at module level: the command line stays quick to start
 
     from deltaflash.engine.engine import Engine
 
     check_engine_flags(args)
+    if args.tensor_parallel_size > 1 and tensor_parallel is None:
+        raise DeltaflashError("--tensor-parallel-size > 1 runs `deltaflash generate` only so far (serve and the "
+                              "benchmarks on one device)")
     if args.model is None:
         args.model = str(BUNDLED / "target")
         if args.draft is None and (BUNDLED / "draft").is_dir():
@@ -100,6 +109,7 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, **config):
             raise DeltaflashError(f"--device {args.device}: CUDA is not available on this machine")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
+                                  tensor_parallel=tensor_parallel,
                                   max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
                                   page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                                   tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,

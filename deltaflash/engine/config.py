@@ -62,6 +62,9 @@ class EngineConfig:
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
         model's layers are switched in place).
+    tensor_parallel_size: ranks the target is sharded over (set by the engine from its TensorParallel,
+        parallel/launch.py); above 1 speculation is fixed ("auto" resolves to it, "adaptive" is refused:
+        widths chosen from each rank's own timings would part the ranks).
     """
 
     max_slots: int = 8
@@ -79,6 +82,7 @@ class EngineConfig:
     prefill_graphs: bool | None = None
     batch_invariant: bool = False
     sync_phase_timing: bool = False
+    tensor_parallel_size: int = 1
 
     def resolve(self, device: torch.device, drafter_block: int | None,
                 env: Mapping[str, str] | None = None, model_max_len: int = 4096) -> "EngineConfig":
@@ -117,7 +121,13 @@ class EngineConfig:
                 raise DeltaflashError(f"block size must be >= 2 to speculate, got {block}")
         if self.speculation not in ("adaptive", "fixed", "auto"):
             raise DeltaflashError(f"speculation must be 'adaptive', 'fixed' or 'auto', got {self.speculation!r}")
-        speculation = self.speculation if self.speculation != "auto" else "fixed" if cuda else "adaptive"
+        if self.tensor_parallel_size < 1:
+            raise DeltaflashError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.speculation == "adaptive":
+            raise DeltaflashError("speculation 'adaptive' does not run under tensor parallelism yet (its widths come "
+                                  "from each rank's own timings); use 'fixed' or 'auto'")
+        speculation = self.speculation if self.speculation != "auto" else \
+            "fixed" if cuda or self.tensor_parallel_size > 1 else "adaptive"
         if self.tree_budget:
             from deltaflash.speculative.tree import max_nodes
 

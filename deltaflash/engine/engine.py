@@ -5,6 +5,7 @@ accepted run, finished sequences give their slot back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ log = logging.getLogger("deltaflash.engine")
 
 class Engine:
     def __init__(self, model, tokenizer=None, drafter=None, config: EngineConfig = EngineConfig(),
-                 draft_source=None, progress: bool = False):
+                 draft_source=None, progress: bool = False, tensor_parallel=None):
         """`drafter`: a loaded DFlash drafter; or `draft_source`: any draft source (speculative/sources.py).
         Builds the runner and captures its CUDA graphs (`progress`: show a bar), so that no request
         pays for compilation or capture; `startup_s` says how long that took."""
@@ -37,9 +38,13 @@ class Engine:
         self._grammar_compiler = None
         self.device = model.embed_tokens.weight.device
         block = drafter.config.block_size if drafter is not None else getattr(draft_source, "block_size", None)
+        if tensor_parallel is not None:
+            config = dataclasses.replace(config, tensor_parallel_size=tensor_parallel.size)
         resolved = config.resolve(self.device, block, model_max_len=self.cfg.max_position_embeddings)
         self.runner = ModelRunner(model, resolved, drafter, draft_source,
-                                  max_model_len_given=config.max_model_len is not None)
+                                  max_model_len_given=config.max_model_len is not None, tensor_parallel=tensor_parallel)
+        # unseeded requests: the same seeds on every rank of a tensor-parallel engine (parallel/launch.py)
+        self._seeds = tensor_parallel.common_seeds(self.device) if resolved.tensor_parallel_size > 1 else None
         self.config = self.runner.config  # max_model_len fitted to the page pool
         if self.config.max_model_len < resolved.max_model_len:
             log.warning("max_model_len lowered from %d (the model's) to %d: the K/V page pool holds no more",
@@ -60,10 +65,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, draft_dir: str | Path | None = None, *, device=None,
-                        dtype: torch.dtype | None = None, progress: bool = True, **config) -> "Engine":
+                        dtype: torch.dtype | None = None, progress: bool = True, tensor_parallel=None,
+                        **config) -> "Engine":
+        """`tensor_parallel`: this process's TensorParallel (parallel/launch.py): the engine runs over its
+        rank's share of the target (each rank loads the checkpoint, then keeps its share)."""
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or default_dtype(device)
         model = load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        if tensor_parallel is not None and tensor_parallel.size > 1:
+            from deltaflash.parallel.tensor import shard_model
+
+            model = shard_model(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.group)
         drafter = None
         if draft_dir is not None:
             from deltaflash.models.dflash import load_drafter
@@ -71,7 +83,8 @@ class Engine:
             drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size,
                                    target_vocab_size=model.cfg.vocab_size, target_num_layers=model.cfg.num_layers,
                                    dtype=dtype, device=device)
-        return cls(model, load_tokenizer(model_dir), drafter, EngineConfig(**config), progress=progress)
+        return cls(model, load_tokenizer(model_dir), drafter, EngineConfig(**config), progress=progress,
+                   tensor_parallel=tensor_parallel)
 
     def _warm_requests(self) -> None:
         """Greedy and sampled requests (top-k, top-p) through the whole step path - prefill, rounds at
@@ -131,8 +144,9 @@ class Engine:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the context length {self.config.max_model_len}")
+        seed = params.seed if params.seed is not None or self._seeds is None else self._seeds.getrandbits(63)
         seq = Sequence(request_id or next_request_id(), [int(t) for t in prompt_ids], params, self.stop_ids(params),
-                       resolve_seed(params))
+                       resolve_seed(params) if seed is None else seed)
         if params.grammar is not None:
             seq.matcher = self._grammars().matcher(params.grammar)
         self.scheduler.add(seq)

@@ -9,6 +9,7 @@ the host, then the kernels) and the new draft context. Plain decoding is the sam
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -74,7 +75,7 @@ class _Round:
 
 class ModelRunner:
     def __init__(self, model, config: EngineConfig, drafter=None, draft_source: DraftSource | None = None,
-                 max_model_len_given: bool = True):
+                 max_model_len_given: bool = True, tensor_parallel=None):
         """Sizes the page pool by memory (engine/memory.py) and lowers config.max_model_len to what it
         holds when the length was not given (`max_model_len_given`; given, a pool too small for it is an
         error): `self.config` is the final config."""
@@ -85,6 +86,9 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.kernels = kernels_named(config.kernels)
         self.page_plan = self._plan_pages(config, drafter)
+        if config.tensor_parallel_size > 1:  # every rank's scheduler plans over the same pool
+            fewest = tensor_parallel.smallest(self.page_plan.num_pages, self.device)
+            self.page_plan = dataclasses.replace(self.page_plan, num_pages=fewest)
         self.config = config = config.fit_to_pages(self.page_plan.tokens, max_model_len_given)
         W = config.block_size
         # verify rows of a sequence at its last position reach up to W - 1 positions further

@@ -48,11 +48,12 @@ def cmd_generate(args) -> int:
     if args.tensor_parallel_size > 1:
         import torch
 
-        from deltaflash.parallel.launch import run_ranks
+        from deltaflash.parallel.launch import ranks
 
         check_engine_flags(args)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        payload = run_ranks(_generate, args.tensor_parallel_size, torch.device(device).type, args)
+        with ranks(args.tensor_parallel_size, torch.device(device).type, _generate, args) as tp:
+            payload = _generate(tp, args)  # every rank generates in step; this one (rank 0) prints
     else:
         payload = _generate(None, args)
     if args.json:

@@ -21,7 +21,7 @@ from deltaflash.engine.engine import Engine
 from deltaflash.errors import UnsupportedModelError
 from deltaflash.models.loader import load_model
 from deltaflash.ops.kernels import reference_kernels
-from deltaflash.parallel.launch import run_ranks
+from deltaflash.parallel.launch import ranks
 from deltaflash.parallel.tensor import shard_config, shard_model
 from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.spec_pairs import make_pair
@@ -112,7 +112,8 @@ def test_tensor_parallel_engine_serves_what_one_device_serves(pair, tmp_path):
     both ranks emit the same tokens (unseeded requests too: their seeds are common), and the seeded
     ones equal a single-device engine's, drafts accepted alike."""
     target, draft = map(str, pair)
-    tokens = run_ranks(_serve_prompts, 2, "cpu", target, draft, str(tmp_path))
+    with ranks(2, "cpu", _serve_prompts, target, draft, str(tmp_path)) as tp:
+        tokens = _serve_prompts(tp, target, draft, str(tmp_path))
     (a, acc_a, spec_a), (b, acc_b, _) = (torch.load(tmp_path / f"engine{r}.pt") for r in range(2))
     assert a == b == tokens and acc_a == acc_b and spec_a == "fixed"
     single = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False, max_slots=4,

@@ -12,10 +12,11 @@ and widths chosen from timings (load-adaptive speculation is refused; rounds tak
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import random
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 
 from deltaflash.errors import DeltaflashError
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a dead or stuck rank ends the others with an error
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=2)  # a dead or stuck rank ends the others with an error
 
 
 @dataclass(frozen=True)
@@ -54,36 +55,62 @@ class TensorParallel:
         return random.Random(int(t.item()))
 
 
-def _rank_main(rank: int, size: int, device_type: str, init: str, fn: Callable, args: tuple, out: str) -> None:
+def _join(rank: int, size: int, device_type: str, init: str) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{init}", rank=rank,
-                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def _follower_main(rank: int, size: int, device_type: str, init: str, fn: Callable, args: tuple, errors) -> None:
     try:
-        result = fn(TensorParallel(rank, size), *args)
-        if rank == 0:
-            torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
+        _join(rank, size, device_type, init)
+        try:
+            fn(TensorParallel(rank, size), *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # reported to rank 0, which names it
+        errors.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
 
 
-def run_ranks(fn: Callable, size: int, device_type: str, *args):
-    """fn(TensorParallel, *args) on `size` new processes (rank r on cuda:r, or all on the CPU); returns
-    rank 0's result (which must pickle). An exception on any rank stops them all and is raised here as a
-    DeltaflashError naming the rank and the error."""
-    if size < 1:
-        raise DeltaflashError(f"tensor parallel size must be >= 1, got {size}")
+@contextlib.contextmanager
+def ranks(size: int, device_type: str, follower: Callable, *args) -> Iterator[TensorParallel]:
+    """Rank 0 in this process, ranks 1..size-1 in new processes running follower(TensorParallel, *args)
+    (rank r on cuda:r, or all on the CPU); yields rank 0's TensorParallel once the group is formed. A
+    rank that fails ends the others (at their next collective, within COLLECTIVE_TIMEOUT at most) and
+    its error is raised here as a DeltaflashError naming the rank."""
+    if size < 2:
+        raise DeltaflashError(f"tensor parallelism needs at least 2 ranks, got {size}")
     if device_type == "cuda" and torch.cuda.device_count() < size:
         raise DeltaflashError(f"tensor parallel size {size} needs {size} GPUs; this machine has "
                               f"{torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="deltaflash-tp-") as tmp:
-        out = Path(tmp) / "rank0.pt"
+        init = f"file://{Path(tmp) / 'init'}"
+        followers = [ctx.Process(target=_follower_main, args=(r, size, device_type, init, follower, args, errors),
+                                 daemon=True) for r in range(1, size)]
+        for p in followers:
+            p.start()
+        failure = None
         try:
-            mp.spawn(_rank_main, args=(size, device_type, str(Path(tmp) / "init"), fn, args, str(out)), nprocs=size,
-                     join=True)
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise DeltaflashError(f"tensor parallel rank {exc.error_index} failed: {last}") from None
-        except mp.ProcessExitedException as exc:
-            raise DeltaflashError(f"tensor parallel rank {exc.error_index} exited with code {exc.exit_code}") from None
-        return torch.load(out, weights_only=False)
+            _join(0, size, device_type, init)
+            try:
+                yield TensorParallel(0, size)
+            finally:
+                dist.destroy_process_group()
+        except Exception as exc:
+            failure = exc
+        for p in followers:
+            p.join(timeout=60 if failure is None else 5)
+            if p.is_alive():
+                p.terminate()
+        if not errors.empty():
+            rank, message = errors.get()
+            raise DeltaflashError(f"tensor parallel rank {rank} failed: {message}") from failure
+        if failure is not None:
+            raise failure
+        bad = [(r, p.exitcode) for r, p in enumerate(followers, 1) if p.exitcode]
+        if bad:
+            raise DeltaflashError(f"tensor parallel rank {bad[0][0]} exited with code {bad[0][1]}")

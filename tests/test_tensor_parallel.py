@@ -4,10 +4,12 @@ of the single model's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ from deltaflash.ops.kernels import reference_kernels
 from deltaflash.parallel.launch import ranks
 from deltaflash.parallel.tensor import shard_config, shard_model
 from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.server_process import ServerProcess, tiny_pair
 from tests.spec_pairs import make_pair
 
 PROMPTS = ([5, 17, 3, 44, 9, 21, 60], [8, 2, 71])
@@ -136,3 +139,28 @@ def test_cli_generate_on_two_ranks_equals_one(pair):
     assert two["stats"]["accepted_lengths"] == one["stats"]["accepted_lengths"]
     bad = subprocess.run(base + ["--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "rank" in bad.stderr and "does not divide" in bad.stderr
+
+
+def test_server_on_two_ranks_answers_what_one_device_answers(tmp_path):
+    """`deltaflash serve --tensor-parallel-size 2` (gloo, CPU): concurrent completions,
+    greedy and seeded, with a drafter, equal those of a one-device server; SIGTERM stops every rank, exit 0."""
+    target, draft = tiny_pair(tmp_path)
+    flags = ("--max-concurrency", "4", "--max-model-len", "256", "--speculation", "fixed")
+    bodies = [{"model": "tiny", "prompt": [11, 42, 7, 99, 23][:n], "max_tokens": 10, "ignore_eos": True,
+               "temperature": t, "seed": 5} for n, t in ((5, 0), (3, 0.9), (2, 0))]
+
+    async def answers(url):
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=b | {"return_token_ids": True})
+                                             for b in bodies))
+            return [r.json()["choices"][0]["token_ids"] for r in replies]
+
+    got = {}
+    for size in (1, 2):
+        server = ServerProcess(target, tmp_path / f"tp{size}.log", *flags, "--tensor-parallel-size", str(size),
+                               draft=draft)
+        try:
+            got[size] = asyncio.run(answers(server.url))
+        finally:
+            assert server.stop() == 0, server.log.read_text()
+    assert got[2] == got[1] and all(len(ids) == 10 for ids in got[1])

@@ -39,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "what --gpu-memory-utilization leaves)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs (or CPU processes) the target is sharded over, one process each (dense targets; "
-                        "`generate` only so far)")
+                        "generate and serve)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine may use in all: weights, slot state, CUDA graphs, "
                         "activations and the K/V pages that fill the rest (default 0.9)")
@@ -86,7 +86,7 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_par
 
     check_engine_flags(args)
     if args.tensor_parallel_size > 1 and tensor_parallel is None:
-        raise DeltaflashError("--tensor-parallel-size > 1 runs `deltaflash generate` only so far (serve and the "
+        raise DeltaflashError("--tensor-parallel-size > 1 runs `deltaflash generate` and `serve` only so far (the "
                               "benchmarks on one device)")
     if args.model is None:
         args.model = str(BUNDLED / "target")

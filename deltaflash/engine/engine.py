@@ -175,6 +175,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def idle(self) -> None:
+        """A serving loop has nothing to step and waits for requests (the tensor-parallel server's rank 0
+        uses the moment: parallel/launch.py, MirroredEngine)."""
+
     # ---- the step -------------------------------------------------------------------------
     def step(self, on_report: Callable[[StepReport], None] | None = None) -> list[StepEvent]:
         """One step: what the scheduler planned, run by the runner; `on_report` (optional) receives

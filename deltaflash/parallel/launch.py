@@ -114,3 +114,57 @@ def ranks(size: int, device_type: str, follower: Callable, *args) -> Iterator[Te
         bad = [(r, p.exitcode) for r, p in enumerate(followers, 1) if p.exitcode]
         if bad:
             raise DeltaflashError(f"tensor parallel rank {bad[0][0]} exited with code {bad[0][1]}")
+
+
+class MirroredEngine:
+    """Rank 0's engine of a tensor-parallel server: each call that changes what the engines will do
+    (add_request, abort, step) goes to the follower ranks too, in the order it happened, so their engines
+    (`follow`) take the same requests and run the same steps. Everything else is the engine's own."""
+
+    def __init__(self, engine, tensor_parallel: TensorParallel):
+        self._engine, self._tp, self._pending = engine, tensor_parallel, []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, prompt_ids, params, request_id=None) -> str:
+        request_id = self._engine.add_request(prompt_ids, params, request_id)  # a bad request: nothing to send
+        self._pending.append(("add", list(prompt_ids), params, request_id))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+        self._pending.append(("abort", request_id))
+
+    def step(self, on_report=None):
+        self._send(step=True)
+        return self._engine.step(on_report)
+
+    def idle(self) -> None:
+        """Between waits for requests: what is pending goes out (the followers' collectives stay alive)."""
+        self._send(step=False)
+
+    def close(self) -> None:
+        """The followers' `follow` returns."""
+        self._send(step=False, close=True)
+
+    def _send(self, step: bool, close: bool = False) -> None:
+        message, self._pending = [(self._pending, step, close)], []
+        dist.broadcast_object_list(message, src=0, group=self._tp.group)
+
+
+def follow(engine, tensor_parallel: TensorParallel) -> None:
+    """A follower rank's serving loop: apply what rank 0's MirroredEngine sends, until it closes."""
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=tensor_parallel.group)
+        commands, step, close = message[0]
+        for command in commands:
+            if command[0] == "add":
+                engine.add_request(*command[1:])
+            else:
+                engine.abort(command[1])
+        if close:
+            return
+        if step:
+            engine.step()

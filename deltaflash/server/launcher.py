@@ -35,7 +35,30 @@ def serve(args) -> int:
     except OSError as exc:
         raise DeltaflashError(f"--host {args.host} --port {args.port}: cannot listen there ({exc})") from None
     port = sock.getsockname()[1]
-    engine = build_engine(args)  # loads, compiles and captures: the server answers only once it is ready
+    if args.tensor_parallel_size > 1:
+        import torch
+
+        from deltaflash.parallel.launch import MirroredEngine, ranks
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        with ranks(args.tensor_parallel_size, device.type, _follow, args) as tp:
+            engine = MirroredEngine(build_engine(args, tp), tp)
+            try:
+                return _serve(args, sock, port, engine, t0)
+            finally:
+                engine.close()
+    return _serve(args, sock, port, build_engine(args), t0)
+
+
+def _follow(tensor_parallel, args) -> None:
+    """A follower rank of a tensor-parallel server: its engine, stepped as rank 0's (MirroredEngine) says."""
+    from deltaflash.parallel.launch import follow
+
+    follow(build_engine(args, tensor_parallel), tensor_parallel)
+
+
+def _serve(args, sock, port: int, engine, t0: float) -> int:
+    """Answer on `sock` with `engine` (loaded, compiled, captured) until a signal."""
     block = engine.config.block_size if engine.config.speculative else 0
     card = ModelCard(args.served_model_name or Path(args.model).resolve().name, engine.cfg.vocab_size,
                      engine.config.max_model_len, block, int(time.time()))
@@ -60,8 +83,10 @@ def serve(args) -> int:
     return 0
 
 
-def build_engine(args) -> Engine:
-    return engine_from_args(args, max_slots=args.max_concurrency, progress=True, max_num_batched_tokens=args.max_num_batched_tokens)
+def build_engine(args, tensor_parallel=None) -> Engine:
+    return engine_from_args(args, max_slots=args.max_concurrency, progress=tensor_parallel is None or
+                            tensor_parallel.rank == 0, max_num_batched_tokens=args.max_num_batched_tokens,
+                            tensor_parallel=tensor_parallel)
 
 
 class DrainingServer(uvicorn.Server):

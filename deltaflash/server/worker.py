@@ -172,6 +172,7 @@ class EngineWorker:
             self._take_inbox()
             self._expire()
             if not self._engine.has_work():
+                self._engine.idle()
                 self._publish()
                 with self._lock:
                     if self._closing:

@@ -5,6 +5,7 @@ of the single model's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -59,8 +60,15 @@ def target(tmp_path_factory):
     return save_checkpoint(build_hf_model("dense_gqa", seed=3), tmp_path_factory.mktemp("tp") / "target")
 
 
-def test_two_ranks_give_the_single_models_logits_and_shares_of_its_state(target, tmp_path):
+SHAPES = {"dense": ("dense_gqa", {}), "moe": ("moe", {}),
+          "one kv head": ("dense_gqa", {"num_key_value_heads": 1})}  # fewer key/value heads than ranks
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_two_ranks_give_the_single_models_logits_and_shares_of_its_state(shape, tmp_path):
     size = 2
+    kind, overrides = SHAPES[shape]
+    target = save_checkpoint(build_hf_model(kind, seed=3, **overrides), tmp_path / "target")
     mp.spawn(_rank, args=(size, str(target), str(tmp_path / "init"), str(tmp_path)), nprocs=size, join=True)
     single = forwards(load_model(target, device="cpu", dtype=torch.float32, progress=False))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
@@ -68,29 +76,31 @@ def test_two_ranks_give_the_single_models_logits_and_shares_of_its_state(target,
     for got in ranks:  # every rank holds the whole residual stream: the same logits
         torch.testing.assert_close(got["prefill"], single["prefill"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["verify"], single["verify"], rtol=1e-5, atol=1e-5)
-    nv, nkv = cfg.linear_num_value_heads // size, cfg.num_kv_heads // size
+    nv = cfg.linear_num_value_heads // size
     kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
     for r, got in enumerate(ranks):  # and its heads' share of the slot state and the K/V pages
         torch.testing.assert_close(got["state"], single["state"][:, :, r * nv:(r + 1) * nv], rtol=1e-4, atol=2e-5)
         torch.testing.assert_close(got["log"], single["log"][:, :, :, r * nv:(r + 1) * nv], rtol=1e-4, atol=2e-5)
-        torch.testing.assert_close(got["keys"], single["keys"][..., r * nkv:(r + 1) * nkv, :], rtol=1e-4, atol=2e-5)
+        share = cfg.num_kv_heads // size  # the rank's key/value heads; one repeated when there are fewer than ranks
+        kv = slice(r * share, (r + 1) * share) if share else slice(r * cfg.num_kv_heads // size, r * cfg.num_kv_heads // size + 1)
+        torch.testing.assert_close(got["keys"], single["keys"][..., kv, :], rtol=1e-4, atol=2e-5)
         q, k, v = (slice(r * kd // size, (r + 1) * kd // size), slice(kd + r * kd // size, kd + (r + 1) * kd // size),
                    slice(2 * kd + r * vd // size, 2 * kd + (r + 1) * vd // size))
         channels = torch.cat([single["conv"][:, :, s] for s in (q, k, v)], dim=2)
         torch.testing.assert_close(got["conv"], channels, rtol=1e-4, atol=2e-5)
 
 
-def test_shares_must_divide_the_heads_and_moe_is_refused(target, tmp_path):
+def test_shares_must_divide_the_heads_and_the_widths(target, tmp_path):
     cfg = load_model(target, device="cpu", dtype=torch.float32, progress=False).cfg
     assert shard_config(cfg, 2).linear_num_value_heads == cfg.linear_num_value_heads // 2
-    with pytest.raises(UnsupportedModelError, match="does not divide num_heads 4, num_kv_heads 2"):
+    with pytest.raises(UnsupportedModelError, match="does not divide num_heads 4, .*num_kv_heads 2"):
         shard_config(cfg, 3)
+    assert shard_config(dataclasses.replace(cfg, num_kv_heads=1), 2).num_kv_heads == 1  # repeated, not split
     moe = ModelConfig.from_folder(save_checkpoint(build_hf_model("moe"), tmp_path / "moe"))
-    with pytest.raises(UnsupportedModelError, match="MoE"):
-        shard_config(moe, 2)
+    assert shard_config(moe, 2).moe_intermediate_size == moe.moe_intermediate_size // 2
 
 
-def _serve_prompts(tp, target: str, draft: str, out: str) -> list[list[int]]:
+def _serve_prompts(tp, target: str, draft: str | None, out: str) -> list[list[int]]:
     """A rank's engine generating ragged prompts together, greedy, seeded and unseeded sampled; each rank
     writes what it generated (the ranks must agree without being told)."""
     engine = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False,
@@ -106,15 +116,22 @@ def _serve_prompts(tp, target: str, draft: str, out: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("tp-pair"), block_size=4)
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-pair")
+    return {kind: make_pair(root, kind=kind, block_size=4) for kind in ("dense_gqa", "moe")}
 
 
-def test_tensor_parallel_engine_serves_what_one_device_serves(pair, tmp_path):
-    """Two ranks of a speculative engine (gloo, CPU) serve ragged prompts in chunks, greedy and sampled:
-    both ranks emit the same tokens (unseeded requests too: their seeds are common), and the seeded
-    ones equal a single-device engine's, drafts accepted alike."""
-    target, draft = map(str, pair)
+@pytest.fixture(scope="module")
+def pair(pairs):
+    return pairs["dense_gqa"]
+
+
+@pytest.mark.parametrize("kind,speculative", [("dense_gqa", True), ("moe", True), ("moe", False)])
+def test_tensor_parallel_engine_serves_what_one_device_serves(pairs, kind, speculative, tmp_path):
+    """Two ranks of an engine (gloo, CPU) serve ragged prompts in chunks, four at a time, greedy and
+    sampled: both ranks emit the same tokens (unseeded requests too: their seeds are common), and the
+    seeded ones equal a single-device engine's (drafts accepted alike). Dense and MoE targets."""
+    target, draft = str(pairs[kind][0]), str(pairs[kind][1]) if speculative else None
     with ranks(2, "cpu", _serve_prompts, target, draft, str(tmp_path)) as tp:
         tokens = _serve_prompts(tp, target, draft, str(tmp_path))
     (a, acc_a, spec_a), (b, acc_b, _) = (torch.load(tmp_path / f"engine{r}.pt") for r in range(2))
@@ -125,7 +142,8 @@ def test_tensor_parallel_engine_serves_what_one_device_serves(pair, tmp_path):
               SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.8, seed=7)]
     want, _ = single.generate([list(p) for p in PROMPTS], params)
     assert [c.token_ids for c in want] == a[:2] and [c.accepted_lengths for c in want] == acc_a[:2]
-    assert max(n for lens in acc_a for n in lens) > 1  # drafts were accepted
+    if speculative:
+        assert max(n for lens in acc_a for n in lens) > 1  # drafts were accepted
 
 
 def test_cli_generate_on_two_ranks_equals_one(pair):

@@ -1,10 +1,14 @@
 """Tensor parallelism of the target over the ranks of one process group (torch.distributed: NCCL on
 CUDA, gloo on the CPU).
 
-Each rank holds its share of every layer: of the attention layers' query and key/value heads, of the
-GDN layers' key and value heads (their projections, conv channels, gates, and so their conv history and
-recurrent state in the slot pool), and of the dense MLP's intermediate width. The residual stream, the
-norms, the embedding and the lm_head are replicated. The products that leave a layer (attention's
+Each rank holds its share of every layer: of the attention layers' query and key/value heads (a
+key/value head is repeated on the ranks whose query heads read it when there are fewer than ranks), of
+the GDN layers' key and value heads (their projections, conv channels, gates, and so their conv history
+and recurrent state in the slot pool), and of the dense MLP's intermediate width - or, in MoE layers, of
+every expert's and the shared expert's intermediate width (tensor- rather than expert-parallel: every
+rank routes every token alike and holds an equal share of each expert's weights whatever the routing,
+so no rank waits on a popular expert and no tokens move between ranks; the router is replicated). The
+residual stream, the norms, the embedding and the lm_head are replicated. The products that leave a layer (attention's
 o_proj, GDN's out_proj, the MLP's down_proj) hold one share of the sum each: the model adds them over
 the ranks with one all-reduce per layer output (`Qwen35Model.reduce`), so every rank sees the whole
 residual stream and the same logits.
@@ -26,17 +30,28 @@ from deltaflash.errors import UnsupportedModelError
 from deltaflash.models.qwen3_5 import Qwen35Model
 
 
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's share: head counts and the MLP width divided by `size`."""
+def _widths(cfg: ModelConfig) -> dict[str, int]:
+    """The widths a rank holds a 1/N share of: heads, and the MLP's (or every expert's) intermediate width."""
+    counts = {"num_heads": cfg.num_heads, "linear_num_key_heads": cfg.linear_num_key_heads,
+              "linear_num_value_heads": cfg.linear_num_value_heads}
     if cfg.is_moe:
-        raise UnsupportedModelError("tensor parallelism of MoE targets is not built yet (dense targets only)")
-    counts = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-              "linear_num_key_heads": cfg.linear_num_key_heads,
-              "linear_num_value_heads": cfg.linear_num_value_heads, "intermediate_size": cfg.intermediate_size}
+        return counts | {"moe_intermediate_size": cfg.moe_intermediate_size,
+                         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+    return counts | {"intermediate_size": cfg.intermediate_size}
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config of one rank's share: head counts and intermediate widths divided by `size`. Key/value
+    heads too, or, when there are fewer of them than ranks, one each (size a multiple of them: each
+    key/value head is then held by size / num_kv_heads ranks, those whose query heads read it)."""
+    counts = _widths(cfg)
     uneven = [f"{name} {n}" for name, n in counts.items() if n % size]
+    kv = cfg.num_kv_heads
+    if (kv % size if kv >= size else size % kv):
+        uneven.append(f"num_kv_heads {kv} (nor is it a multiple of it)")
     if uneven:
         raise UnsupportedModelError(f"tensor parallel size {size} does not divide {', '.join(uneven)}")
-    return dataclasses.replace(cfg, **{name: n // size for name, n in counts.items()})
+    return dataclasses.replace(cfg, num_kv_heads=max(kv // size, 1), **{name: n // size for name, n in counts.items()})
 
 
 def _share(n: int, rank: int, size: int, width: int = 1) -> torch.Tensor:
@@ -52,9 +67,12 @@ def shard_state(cfg: ModelConfig, state: dict[str, torch.Tensor], rank: int, siz
     key_rows, value_rows = _share(nk, rank, size, dk), _share(nv, rank, size, dv)
     qkv_channels = torch.cat([key_rows, nk * dk + key_rows, 2 * nk * dk + value_rows])  # [q | k | v]
     v_heads = _share(nv, rank, size)
-    q_rows, kv_rows = _share(nh, rank, size, 2 * hd), _share(nkv, rank, size, hd)  # q_proj: per head [q | gate]
-    o_cols = _share(nh, rank, size, hd)
-    mlp = _share(cfg.intermediate_size, rank, size)
+    q_rows, o_cols = _share(nh, rank, size, 2 * hd), _share(nh, rank, size, hd)  # q_proj: per head [q | gate]
+    if nkv >= size:
+        kv_rows = _share(nkv, rank, size, hd)
+    else:  # the one key/value head this rank's query heads read
+        head = rank * nkv // size
+        kv_rows = torch.arange(head * hd, (head + 1) * hd)
     rows = {  # parameter suffix -> (dim, indices) of its share
         "linear_attn.in_proj_qkv.weight": (0, qkv_channels), "linear_attn.conv1d.weight": (0, qkv_channels),
         "linear_attn.in_proj_z.weight": (0, value_rows), "linear_attn.in_proj_b.weight": (0, v_heads),
@@ -64,8 +82,17 @@ def shard_state(cfg: ModelConfig, state: dict[str, torch.Tensor], rank: int, siz
         "self_attn.k_proj.weight": (0, kv_rows), "self_attn.k_proj.bias": (0, kv_rows),
         "self_attn.v_proj.weight": (0, kv_rows), "self_attn.v_proj.bias": (0, kv_rows),
         "self_attn.o_proj.weight": (1, o_cols),
-        "mlp.gate_proj.weight": (0, mlp), "mlp.up_proj.weight": (0, mlp), "mlp.down_proj.weight": (1, mlp),
     }
+    if cfg.is_moe:  # every expert's intermediate width shared out: each rank routes every token alike
+        expert = _share(cfg.moe_intermediate_size, rank, size)
+        gate_up = torch.cat([expert, cfg.moe_intermediate_size + expert])  # gate_up_proj rows: [gate | up]
+        shared = _share(cfg.shared_expert_intermediate_size, rank, size)
+        rows |= {"mlp.experts.gate_up_proj": (1, gate_up), "mlp.experts.down_proj": (2, expert),
+                 "mlp.shared_expert.gate_proj.weight": (0, shared), "mlp.shared_expert.up_proj.weight": (0, shared),
+                 "mlp.shared_expert.down_proj.weight": (1, shared)}
+    else:
+        mlp = _share(cfg.intermediate_size, rank, size)
+        rows |= {"mlp.gate_proj.weight": (0, mlp), "mlp.up_proj.weight": (0, mlp), "mlp.down_proj.weight": (1, mlp)}
     out = {}
     for name, tensor in state.items():
         suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name

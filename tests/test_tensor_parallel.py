@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -21,10 +22,10 @@ from deltaflash.config import ModelConfig
 from deltaflash.core.batch import ExtendBatch, VerifyBatch
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
-from deltaflash.errors import UnsupportedModelError
+from deltaflash.errors import DeltaflashError, UnsupportedModelError
 from deltaflash.models.loader import load_model
 from deltaflash.ops.kernels import reference_kernels
-from deltaflash.parallel.launch import ranks
+from deltaflash.parallel.launch import COLLECTIVE_TIMEOUT, ranks
 from deltaflash.parallel.tensor import shard_config, shard_model
 from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.server_process import ServerProcess, tiny_pair
@@ -182,3 +183,23 @@ def test_server_on_two_ranks_answers_what_one_device_answers(tmp_path):
         finally:
             assert server.stop() == 0, server.log.read_text()
     assert got[2] == got[1] and all(len(ids) == 10 for ids in got[1])
+
+
+def _fails_mid_run(tp, target: str) -> None:
+    """Rank 1 raises after a few steps of a generation; rank 0 carries on into its next all-reduce."""
+    engine = Engine.from_pretrained(target, None, device="cpu", dtype=torch.float32, progress=False,
+                                    tensor_parallel=tp, max_slots=2, max_model_len=64)
+    for prompt in PROMPTS:
+        engine.add_request(list(prompt), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for step in range(30):
+        if tp.rank == 1 and step == 3:
+            raise RuntimeError("injected failure")
+        engine.step()
+
+
+def test_a_rank_failing_mid_run_ends_every_rank_with_its_error(pair):
+    started = time.monotonic()
+    with pytest.raises(DeltaflashError, match="rank 1 failed: RuntimeError: injected failure"):
+        with ranks(2, "cpu", _fails_mid_run, str(pair[0])) as tp:
+            _fails_mid_run(tp, str(pair[0]))
+    assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds()  # no wait for the timeout

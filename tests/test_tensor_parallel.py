@@ -26,7 +26,7 @@ from deltaflash.errors import DeltaflashError, UnsupportedModelError
 from deltaflash.models.loader import load_model
 from deltaflash.ops.kernels import reference_kernels
 from deltaflash.parallel.launch import COLLECTIVE_TIMEOUT, ranks
-from deltaflash.parallel.tensor import shard_config, shard_model
+from deltaflash.parallel.tensor import Shard, shard_config, shard_model, shard_state
 from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.server_process import ServerProcess, tiny_pair
 from tests.spec_pairs import make_pair
@@ -203,3 +203,27 @@ def test_a_rank_failing_mid_run_ends_every_rank_with_its_error(pair):
         with ranks(2, "cpu", _fails_mid_run, str(pair[0])) as tp:
             _fails_mid_run(tp, str(pair[0]))
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds()  # no wait for the timeout
+
+
+@pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
+def test_sharded_loading_reads_only_each_ranks_rows(kind, tmp_path, monkeypatch):
+    """load_model with a Shard builds the rank's share straight from the files - equal to slicing the whole
+    model - and reads every sharded tensor by its rows only, never whole."""
+    from deltaflash.models import checkpoint
+
+    target = save_checkpoint(build_hf_model(kind, seed=4), tmp_path / "target")
+    whole = load_model(target, device="cpu", dtype=torch.float32, progress=False)
+    read_whole = []
+    real = checkpoint._read_tensor
+    monkeypatch.setattr(checkpoint, "_read_tensor", lambda h, f, name, *a: read_whole.append(name) or real(h, f, name, *a))
+    for rank in range(2):
+        read_whole.clear()
+        share = load_model(target, device="cpu", dtype=torch.float32, progress=False,
+                           shard=lambda cfg: Shard(cfg, rank, 2))
+        want = shard_state(whole.cfg, whole.state_dict(), rank, 2)
+        got = share.state_dict()
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        sharded = [n for n in read_whole if Shard(whole.cfg, rank, 2).rows(n.removeprefix("model.")) is not None]
+        assert read_whole and not sharded  # norms and embeddings whole, every sharded tensor by rows

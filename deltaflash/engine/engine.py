@@ -71,11 +71,15 @@ class Engine:
         rank's share of the target (each rank loads the checkpoint, then keeps its share)."""
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or default_dtype(device)
-        model = load_model(model_dir, dtype=dtype, device=device, progress=progress)
-        if tensor_parallel is not None and tensor_parallel.size > 1:
-            from deltaflash.parallel.tensor import shard_model
+        shard = None
+        if tensor_parallel is not None and tensor_parallel.size > 1:  # each rank reads only its share
+            from deltaflash.parallel.tensor import Shard, all_reduce_sum
 
-            model = shard_model(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.group)
+            def shard(cfg):
+                return Shard(cfg, tensor_parallel.rank, tensor_parallel.size)
+        model = load_model(model_dir, dtype=dtype, device=device, progress=progress, shard=shard)
+        if shard is not None:
+            model.reduce = all_reduce_sum(tensor_parallel.group)
         drafter = None
         if draft_dir is not None:
             from deltaflash.models.dflash import load_drafter

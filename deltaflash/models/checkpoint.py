@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,10 +108,13 @@ class Checkpoint:
                 self.tensors[name] = info
 
     def read(self, names: Iterable[str], dtype: torch.dtype, device, *, desc: str,
-             progress: bool | None = True) -> dict[str, torch.Tensor]:
+             progress: bool | None = True, select: Callable[[str], tuple[int, torch.Tensor] | None] | None = None,
+             ) -> dict[str, torch.Tensor]:
         """{stored name: tensor as `dtype` on `device`} for `names`, one file open at a time.
 
-        progress None: a bar only when stderr is a terminal."""
+        progress None: a bar only when stderr is a terminal. select(name): (dim, sorted indices) to read
+        only those rows of the tensor along dim (a tensor-parallel rank's share: the rest is never read),
+        or None for all of it."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.tensors[name].file, []).append(name)
@@ -124,8 +127,31 @@ class Checkpoint:
                 raise _unreadable(file, exc) from exc
             with handle:
                 for name in by_file[file]:
-                    tensors[name] = _read_tensor(handle, file, name, dtype, device)
+                    rows = select(name) if select is not None else None
+                    tensors[name] = (_read_tensor(handle, file, name, dtype, device) if rows is None
+                                     else _read_rows(handle, file, name, *rows, dtype, device))
         return tensors
+
+
+def _read_rows(handle, file: Path, name: str, dim: int, index: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """The rows `index` (sorted) of a tensor along `dim`, read as runs of consecutive rows (the rest of the
+    tensor stays on disk)."""
+    index = index.tolist()
+    runs, start = [], 0
+    for i in range(1, len(index) + 1):
+        if i == len(index) or index[i] != index[i - 1] + 1:
+            runs.append((index[start], index[i - 1] + 1))
+            start = i
+    try:
+        stored = handle.get_slice(name)
+        lead = (slice(None),) * dim
+        parts = [stored[lead + (slice(a, b),)] for a, b in runs]
+        return torch.cat(parts, dim=dim).to(device=device, dtype=dtype)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{file}: tensor '{name}' cannot be read as {dtype} ({type(exc).__name__}: "
+                              f"{_short(exc)})") from exc
 
 
 def _read_tensor(handle, file: Path, name: str, dtype: torch.dtype, device) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,17 +26,22 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype | None = None, device=None,
-               progress: bool = True) -> Qwen35Model:
+               progress: bool = True, shard: Callable[[ModelConfig], object] | None = None) -> Qwen35Model:
     """Build the model from `folder`. Fails fast with a typed error naming the file and tensor:
-    every name and shape is checked against config.json before any tensor data is read."""
+    every name and shape is checked against config.json before any tensor data is read.
+
+    shard(config) -> a tensor-parallel rank's share (parallel/tensor.py: Shard, with `config`, `rows(name)`
+    and `finish(state)`): the model is that share's, and only its rows are read from the files."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     checkpoint = Checkpoint(folder)
+    share = shard(cfg) if shard is not None else None
     with torch.device("meta"):
-        model = Qwen35Model(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        model = Qwen35Model(share.config if share is not None else cfg)
+        whole = Qwen35Model(cfg) if share is not None else model
+    expected = {name: tuple(p.shape) for name, p in whole.state_dict().items()}  # what the files hold
 
     stored = checkpoint.tensors
     prefix = next((p for p in _PREFIXES if any(k.startswith((p + "layers.", p + "embed_tokens.")) for k in stored)),
@@ -61,11 +67,17 @@ def load_model(folder: str | Path, dtype: torch.dtype | None = None, device=None
             raise TensorShapeError(f"{stored[key].file}: tensor {key!r} has shape {stored[key].shape}, "
                                    f"expected {shape} from config.json")
 
-    loaded = checkpoint.read(wanted, dtype, device, desc="loading shards", progress=progress)
+    select = None
+    if share is not None:
+        def select(key):  # a checkpoint key's share, by the model name it fills
+            return share.rows(key if key == "lm_head.weight" else key[len(prefix):])
+    loaded = checkpoint.read(wanted, dtype, device, desc="loading shards", progress=progress, select=select)
     state = {}
     for name in expected:  # popping each part as it is placed: one copy of the weights at peak
         key = checkpoint_key(name)
         state[name] = loaded.pop(key) if key in loaded else _stack_experts(key, cfg.num_experts, loaded)
+    if share is not None:
+        state = share.finish(state)
     model.load_state_dict(state, assign=True, strict=True)
     del state  # the merge then frees each part's tensor as it re-homes it: no second copy at peak
     return model.merge_projections().eval()

@@ -21,6 +21,8 @@ shares of a rank read only its own key heads.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,50 +62,84 @@ def _share(n: int, rank: int, size: int, width: int = 1) -> torch.Tensor:
     return torch.arange(rank * per * width, (rank + 1) * per * width)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What rank `rank` of `size` keeps of a model whose whole config is `full`: its own config, and per
+    parameter the indices along one dim that it holds (`rows`); everything else is held whole."""
+
+    full: ModelConfig
+    rank: int
+    size: int
+
+    @property
+    def config(self) -> ModelConfig:
+        return shard_config(self.full, self.size)
+
+    @functools.cached_property
+    def _rows(self) -> dict[str, tuple[int, torch.Tensor]]:
+        cfg, rank, size = self.full, self.rank, self.size
+        nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        key_rows, value_rows = _share(nk, rank, size, dk), _share(nv, rank, size, dv)
+        qkv_channels = torch.cat([key_rows, nk * dk + key_rows, 2 * nk * dk + value_rows])  # [q | k | v]
+        v_heads = _share(nv, rank, size)
+        q_rows, o_cols = _share(nh, rank, size, 2 * hd), _share(nh, rank, size, hd)  # q_proj: per head [q | gate]
+        if nkv >= size:
+            kv_rows = _share(nkv, rank, size, hd)
+        else:  # the one key/value head this rank's query heads read
+            head = rank * nkv // size
+            kv_rows = torch.arange(head * hd, (head + 1) * hd)
+        rows = {  # parameter suffix -> (dim, indices) of its share
+            "linear_attn.in_proj_qkv.weight": (0, qkv_channels), "linear_attn.conv1d.weight": (0, qkv_channels),
+            "linear_attn.in_proj_z.weight": (0, value_rows), "linear_attn.in_proj_b.weight": (0, v_heads),
+            "linear_attn.in_proj_a.weight": (0, v_heads), "linear_attn.dt_bias": (0, v_heads),
+            "linear_attn.A_log": (0, v_heads), "linear_attn.out_proj.weight": (1, value_rows),
+            "self_attn.q_proj.weight": (0, q_rows), "self_attn.q_proj.bias": (0, q_rows),
+            "self_attn.k_proj.weight": (0, kv_rows), "self_attn.k_proj.bias": (0, kv_rows),
+            "self_attn.v_proj.weight": (0, kv_rows), "self_attn.v_proj.bias": (0, kv_rows),
+            "self_attn.o_proj.weight": (1, o_cols),
+        }
+        if cfg.is_moe:  # every expert's intermediate width shared out: each rank routes every token alike
+            expert = _share(cfg.moe_intermediate_size, rank, size)
+            gate_up = torch.cat([expert, cfg.moe_intermediate_size + expert])  # gate_up_proj rows: [gate | up]
+            shared = _share(cfg.shared_expert_intermediate_size, rank, size)
+            rows |= {"mlp.experts.gate_up_proj": (1, gate_up), "mlp.experts.down_proj": (2, expert),
+                     "mlp.experts.gate_proj.weight": (0, expert), "mlp.experts.up_proj.weight": (0, expert),
+                     "mlp.experts.down_proj.weight": (1, expert),  # one expert's parts, as checkpoints store them
+                     "mlp.shared_expert.gate_proj.weight": (0, shared), "mlp.shared_expert.up_proj.weight": (0, shared),
+                     "mlp.shared_expert.down_proj.weight": (1, shared)}
+        else:
+            mlp = _share(cfg.intermediate_size, rank, size)
+            rows |= {"mlp.gate_proj.weight": (0, mlp), "mlp.up_proj.weight": (0, mlp), "mlp.down_proj.weight": (1, mlp)}
+        return rows
+
+    def rows(self, name: str) -> tuple[int, torch.Tensor] | None:
+        """(dim, indices) of parameter `name`'s share (Qwen35Model names; a checkpoint's per-expert
+        `layers.i.mlp.experts.e.gate_proj.weight` too), or None where the rank holds it whole."""
+        suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        if ".experts." in suffix:
+            head, _, tail = suffix.partition(".experts.")
+            suffix = f"{head}.experts.{tail.split('.', 1)[1]}" if tail.split(".", 1)[0].isdigit() else suffix
+        return self._rows.get(suffix)
+
+    def finish(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What loading a share leaves to do: o_proj's bias is added once to the sum of the shares (kept on
+        rank 0, zero elsewhere)."""
+        if self.rank:
+            for name in [n for n in state if n.endswith("self_attn.o_proj.bias")]:
+                state[name] = torch.zeros_like(state[name])
+        return state
+
+
 def shard_state(cfg: ModelConfig, state: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Rank's share of a full model's state_dict (parameter names of Qwen35Model)."""
-    nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    key_rows, value_rows = _share(nk, rank, size, dk), _share(nv, rank, size, dv)
-    qkv_channels = torch.cat([key_rows, nk * dk + key_rows, 2 * nk * dk + value_rows])  # [q | k | v]
-    v_heads = _share(nv, rank, size)
-    q_rows, o_cols = _share(nh, rank, size, 2 * hd), _share(nh, rank, size, hd)  # q_proj: per head [q | gate]
-    if nkv >= size:
-        kv_rows = _share(nkv, rank, size, hd)
-    else:  # the one key/value head this rank's query heads read
-        head = rank * nkv // size
-        kv_rows = torch.arange(head * hd, (head + 1) * hd)
-    rows = {  # parameter suffix -> (dim, indices) of its share
-        "linear_attn.in_proj_qkv.weight": (0, qkv_channels), "linear_attn.conv1d.weight": (0, qkv_channels),
-        "linear_attn.in_proj_z.weight": (0, value_rows), "linear_attn.in_proj_b.weight": (0, v_heads),
-        "linear_attn.in_proj_a.weight": (0, v_heads), "linear_attn.dt_bias": (0, v_heads),
-        "linear_attn.A_log": (0, v_heads), "linear_attn.out_proj.weight": (1, value_rows),
-        "self_attn.q_proj.weight": (0, q_rows), "self_attn.q_proj.bias": (0, q_rows),
-        "self_attn.k_proj.weight": (0, kv_rows), "self_attn.k_proj.bias": (0, kv_rows),
-        "self_attn.v_proj.weight": (0, kv_rows), "self_attn.v_proj.bias": (0, kv_rows),
-        "self_attn.o_proj.weight": (1, o_cols),
-    }
-    if cfg.is_moe:  # every expert's intermediate width shared out: each rank routes every token alike
-        expert = _share(cfg.moe_intermediate_size, rank, size)
-        gate_up = torch.cat([expert, cfg.moe_intermediate_size + expert])  # gate_up_proj rows: [gate | up]
-        shared = _share(cfg.shared_expert_intermediate_size, rank, size)
-        rows |= {"mlp.experts.gate_up_proj": (1, gate_up), "mlp.experts.down_proj": (2, expert),
-                 "mlp.shared_expert.gate_proj.weight": (0, shared), "mlp.shared_expert.up_proj.weight": (0, shared),
-                 "mlp.shared_expert.down_proj.weight": (1, shared)}
-    else:
-        mlp = _share(cfg.intermediate_size, rank, size)
-        rows |= {"mlp.gate_proj.weight": (0, mlp), "mlp.up_proj.weight": (0, mlp), "mlp.down_proj.weight": (1, mlp)}
+    shard = Shard(cfg, rank, size)
     out = {}
     for name, tensor in state.items():
-        suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
-        if suffix in rows:
-            dim, index = rows[suffix]
-            out[name] = tensor.index_select(dim, index.to(tensor.device)).contiguous()
-        elif suffix == "self_attn.o_proj.bias":  # added once to the sum of the shares
-            out[name] = tensor if rank == 0 else torch.zeros_like(tensor)
-        else:  # norms, embedding, lm_head: replicated
-            out[name] = tensor
-    return out
+        rows = shard.rows(name)
+        out[name] = tensor if rows is None else tensor.index_select(rows[0], rows[1].to(tensor.device)).contiguous()
+    return shard.finish(out)
 
 
 def all_reduce_sum(group=None):

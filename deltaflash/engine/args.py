@@ -38,8 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory of the K/V page pool, e.g. 2GiB, 512MiB or bytes (default: 2GiB on CPU; on CUDA "
                         "what --gpu-memory-utilization leaves)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs (or CPU processes) the target is sharded over, one process each (dense targets; "
-                        "generate and serve)")
+                   help="GPUs (or CPU processes) the target is sharded over, one process each (generate and "
+                        "serve)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine may use in all: weights, slot state, CUDA graphs, "
                         "activations and the K/V pages that fill the rest (default 0.9)")

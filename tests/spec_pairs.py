@@ -47,6 +47,11 @@ def make_pair(tmp_path, kind: str = "dense_gqa", variant: str = "dflash", seed: 
     return target_dir, draft_dir
 
 
+def pairs_by_kind(root, kinds=("dense_gqa", "moe"), block_size: int = 4) -> dict[str, tuple]:
+    """{kind: (target folder, drafter folder)} of make_pair for each target kind."""
+    return {kind: make_pair(root, kind=kind, block_size=block_size) for kind in kinds}
+
+
 def peaked_pair(root, vocab_size: int, variants=("dflash",), block_size: int = 4):
     """A tiny target of `vocab_size` tokens with a peaked lm_head (so p and a drafter's q differ clearly and
     a few candidates hold most of p) and drafters of `variants`: (target folder, {variant: draft folder})."""

@@ -15,13 +15,12 @@ from deltaflash.engine.graphs import PREFILL_MAX_ROWS, padded_rows_allowed, pref
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
 from deltaflash.server.metrics import Metrics
-from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
+from tests.spec_pairs import DEVICE, engine_for, pairs_by_kind, prompts
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefill-graphs")
-    return {kind: make_pair(root, kind=kind, block_size=4) for kind in ("dense_gqa", "moe")}
+    return pairs_by_kind(tmp_path_factory.mktemp("prefill-graphs"))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from deltaflash.parallel.launch import COLLECTIVE_TIMEOUT, ranks
 from deltaflash.parallel.tensor import Shard, shard_config, shard_model, shard_state
 from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.server_process import ServerProcess, tiny_pair
-from tests.spec_pairs import make_pair
+from tests.spec_pairs import pairs_by_kind
 
 PROMPTS = ([5, 17, 3, 44, 9, 21, 60], [8, 2, 71])
 DRAFTS = ([30, 12, 7, 55], [1, 90, 4, 33])  # a verify round after the prompts: anchor + 3 drafts per lane
@@ -118,8 +118,7 @@ def _serve_prompts(tp, target: str, draft: str | None, out: str) -> list[list[in
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-pair")
-    return {kind: make_pair(root, kind=kind, block_size=4) for kind in ("dense_gqa", "moe")}
+    return pairs_by_kind(tmp_path_factory.mktemp("tp-pair"))
 
 
 @pytest.fixture(scope="module")

@@ -58,10 +58,10 @@ def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
     for chunk in plan.prefill:  # what the engine does once the runner ran the chunks
         chunk.seq.num_prefilled += len(chunk.tokens)
         chunk.seq.status = Status.DECODING if chunk.last else chunk.seq.status
-    plan = scheduler.schedule()  # a's round takes 4 rows of the 10-token budget (a has a pending token)
+    plan = scheduler.schedule()  # a's round (4 rows; a has a pending token) beside b's next 10 tokens
     a = plan.decode[0]
     assert a.request_id == "a" and plan.round_width == 4
-    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 3, 6)]
+    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 3, 10)]
 
 
 def test_scheduler_widths_follow_the_tokens_left():
@@ -79,9 +79,9 @@ def test_scheduler_widths_follow_the_tokens_left():
     assert plain.config.block_size == 1 and plain.width(seqs[0]) == 1
 
 
-def test_the_step_budget_is_shared_by_the_round_and_the_prompts():
-    """max_num_batched_tokens covers the round's rows and the prompt chunks together: prompts get what the
-    round leaves, and a quarter of the budget when the round takes it all (so they always advance)."""
+def test_the_prefill_budget_is_not_drawn_on_by_the_round():
+    """max_num_batched_tokens bounds the prompt chunks of a step, beside the round: a waiting prompt gets
+    the whole budget however many rows the running lanes verify, and no more."""
     config = EngineConfig(max_slots=4, max_num_batched_tokens=20, block_size=4).resolve(torch.device("cpu"), 4)
     scheduler = Scheduler(config, num_pages=1000)
     running = [sequence(rid, 3, max_new=50) for rid in "ab"]
@@ -91,10 +91,12 @@ def test_the_step_budget_is_shared_by_the_round_and_the_prompts():
     for seq in running:
         seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
     scheduler.add(sequence("long", 100))
-    plan = scheduler.schedule()  # a round of 2 lanes x 4 rows: 12 of the 20 tokens left for the prompt
+    plan = scheduler.schedule()  # a round of 2 lanes x 4 rows beside 20 prompt tokens
     assert plan.round_width == 4 and len(plan.decode) == 2
-    assert [(c.seq.request_id, len(c.tokens)) for c in plan.prefill] == [("long", 12)]
-    assert scheduler.prefill_budget(0) == 20 and scheduler.prefill_budget(20) == 5 and scheduler.prefill_budget(64) == 5
+    assert [(c.seq.request_id, len(c.tokens)) for c in plan.prefill] == [("long", 20)]
+    plan.prefill[0].seq.num_prefilled += 20
+    plan = scheduler.schedule()
+    assert [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("long", 20, 20)]
 
 
 def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):

@@ -146,21 +146,30 @@ def test_prefill_shapes_cover_the_step_budget():
 def test_preempted_sequences_resume_exactly_through_prefill_graphs(pair):
     """A page pool too small for four sequences: the newest are preempted and recomputed from prompt and
     generated tokens, their prefills replayed from the graphs (padding lanes included); every output
-    equals that of an eager engine with room for all, and every page comes back."""
+    equals that of the same engine prefilling eagerly, and every page comes back. On the CPU both also
+    equal an engine with room for all; on a GPU the recomputation runs fla-core's chunked kernels (TF32
+    dots) where the unpreempted sequence ran verify rounds, so a near-tie of a random model may resolve
+    differently there - exact resumption against the unpreempted run is tests/test_pages.py's subject."""
     from tests.test_pages import page_bytes
 
     batch = prompts(96, [10, 7, 12, 9], seed=4)
-    config = dict(max_slots=4, max_model_len=64, page_size=4, max_num_batched_tokens=64)
+    config = dict(max_slots=4, max_model_len=64, page_size=4, max_num_batched_tokens=64,
+                  kv_cache_memory=26 * page_bytes(pair[0], pair[1], page_size=4))
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    roomy, _ = engine_for(pair[0], pair[1], prefill_graphs=False, **config).generate(batch, params)
-    tight = engine_for(pair[0], pair[1], kv_cache_memory=26 * page_bytes(pair[0], pair[1], page_size=4), **config)
+    eager_engine = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
+    eager, _ = eager_engine.generate(batch, params)
+    tight = engine_for(pair[0], pair[1], **config)
     replays = Replays(tight.runner)
     done, _ = tight.generate(batch, params)
-    assert [c.token_ids for c in done] == [c.token_ids for c in roomy]
+    assert [c.token_ids for c in done] == [c.token_ids for c in eager]
     # the first step's four prompts run eagerly (the 64-row shape holds two lanes at this budget); the
     # resumed sequences' recomputations replay it
-    assert tight.stats["preemptions"] > 0 and replays.calls
+    assert tight.stats["preemptions"] == eager_engine.stats["preemptions"] > 0 and replays.calls
     assert tight.scheduler.pages.num_free == tight.scheduler.pages.num_pages
+    if DEVICE == "cpu":
+        roomy_config = {k: v for k, v in config.items() if k != "kv_cache_memory"}
+        roomy, _ = engine_for(pair[0], pair[1], prefill_graphs=False, **roomy_config).generate(batch, params)
+        assert [c.token_ids for c in done] == [c.token_ids for c in roomy]
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not isinstance(paged_attention_kernel, InterpretedFunction),

@@ -34,10 +34,9 @@ class EngineConfig:
     max_model_len: prompt + generated tokens of one sequence; None = the model's max_position_embeddings
         (lowered to what the page pool holds, with a warning; a value given that the pool cannot hold
         for one sequence is an error).
-    max_num_batched_tokens: tokens one step processes (the step budget): the round's rows (lanes x its
-        width) first, prompt chunks fill the rest (oldest prompt first). While prompts wait they get at
-        least a quarter of it even when the round takes more (the one case a step exceeds it), so a full
-        round never starves them; a prompt arriving stalls the running streams by at most one budget.
+    max_num_batched_tokens: prompt tokens one step prefills (oldest prompt first, in chunks), beside the
+        round, which every decoding lane gets each step whatever its width: a prompt arriving stalls the
+        running streams by at most this much prefill, and a full round never starves waiting prompts.
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.

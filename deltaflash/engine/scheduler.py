@@ -4,9 +4,9 @@ Each step it retires cancelled requests; gives every decoding sequence one lane 
 width (the rows it verifies, 1 + its drafts; 1 = plain decoding) and the pages those rows need,
 preempting the most recently admitted sequences while pages run short; admits waiting sequences (first
 come, first served) into free slots when their prompt's pages are free; and spends the prefill budget
-on prompt chunks (oldest prompt first): one token budget per step, `max_num_batched_tokens`, spent on
-the round's rows first and on prompt chunks with the rest (never less than a quarter while prompts
-wait). A preempted sequence gives back its slot and pages and waits at
+on prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per step, beside the
+round (the round does not draw on it: under load a speculative round is lanes x width rows, and taking
+those from the prompts' share left free slots waiting on prefill). A preempted sequence gives back its slot and pages and waits at
 the head of the queue; when readmitted, its prompt and generated tokens are prefilled again (nothing
 is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -124,7 +124,7 @@ class Scheduler:
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
-        prefill = tuple(self._prefill_chunks(len(decode) * round_width))
+        prefill = tuple(self._prefill_chunks())
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill,
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width,
@@ -175,14 +175,8 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def prefill_budget(self, round_rows: int) -> int:
-        """Prompt tokens a step whose round verifies `round_rows` rows may prefill: what the step budget
-        leaves, and at least a quarter of the budget (at least one token)."""
-        budget = self.config.max_num_batched_tokens
-        return max(budget - round_rows, -(-budget // 4))
-
-    def _prefill_chunks(self, round_rows: int) -> list[PrefillChunk]:
-        budget, chunks = self.prefill_budget(round_rows), []
+    def _prefill_chunks(self) -> list[PrefillChunk]:
+        budget, chunks = self.config.max_num_batched_tokens, []
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
                 continue

@@ -15,8 +15,8 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests admitted beyond the slots to wait for one; more get HTTP 429")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="tokens one step processes: the round's rows first, prompt chunks the rest (at least a "
-                        "quarter of it while prompts wait)")
+                   help="prompt tokens one step prefills, in chunks, beside every running lane's round (which "
+                        "always runs): a prompt arriving stalls the running streams by at most this much prefill")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the chosen one is printed)")
     p.add_argument("--api-key", default=os.environ.get("DELTAFLASH_API_KEY"),

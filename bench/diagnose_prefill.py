@@ -101,7 +101,7 @@ def main() -> None:
     configs = {"default": {}, "no-graphs": {"cuda_graphs": False} if cuda else {},
                "reference-kernels": {"kernels": "reference", "cuda_graphs": False} if cuda else {},
                "batch-invariant": {"batch_invariant": True} if cuda else {},
-               "chunk-8": {"max_num_batched_tokens": 8}, "slots-1": {"max_slots": 1}, "slots-3": {"max_slots": 3}}
+               "chunk-8": {"max_num_batched_tokens": 8, "idle_prefill_tokens": 8}, "slots-1": {"max_slots": 1}, "slots-3": {"max_slots": 3}}
     for kind in args.kinds:
         hf = build_hf_model(kind, seed=0)
         folder = save_checkpoint(hf, root / kind)

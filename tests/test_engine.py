@@ -47,21 +47,23 @@ def sequence(rid: str, prompt_len: int, max_new: int = 10) -> Sequence:
 
 
 def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
-    config = EngineConfig(max_slots=2, max_num_batched_tokens=10, block_size=4).resolve(torch.device("cpu"), 4)
+    """Prompts get the idle budget while nothing decodes, the step budget beside a round."""
+    config = EngineConfig(max_slots=2, max_num_batched_tokens=10, idle_prefill_tokens=16,
+                          block_size=4).resolve(torch.device("cpu"), 4)
     scheduler = Scheduler(config, num_pages=1000)
     for rid, n in (("a", 7), ("b", 25), ("c", 3)):
         scheduler.add(sequence(rid, n))
     plan = scheduler.schedule()
     assert [s.request_id for s in plan.admitted] == ["a", "b"] and len(scheduler.waiting) == 1
     assert [(c.seq.request_id, c.start, len(c.tokens), c.last) for c in plan.prefill] == [("a", 0, 7, True),
-                                                                                          ("b", 0, 3, False)]
+                                                                                          ("b", 0, 9, False)]
     for chunk in plan.prefill:  # what the engine does once the runner ran the chunks
         chunk.seq.num_prefilled += len(chunk.tokens)
         chunk.seq.status = Status.DECODING if chunk.last else chunk.seq.status
     plan = scheduler.schedule()  # a's round (4 rows; a has a pending token) beside b's next 10 tokens
     a = plan.decode[0]
     assert a.request_id == "a" and plan.round_width == 4
-    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 3, 10)]
+    assert plan.admitted == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 9, 10)]
 
 
 def test_scheduler_widths_follow_the_tokens_left():
@@ -81,8 +83,10 @@ def test_scheduler_widths_follow_the_tokens_left():
 
 def test_the_prefill_budget_is_not_drawn_on_by_the_round():
     """max_num_batched_tokens bounds the prompt chunks of a step, beside the round: a waiting prompt gets
-    the whole budget however many rows the running lanes verify, and no more."""
-    config = EngineConfig(max_slots=4, max_num_batched_tokens=20, block_size=4).resolve(torch.device("cpu"), 4)
+    the whole budget however many rows the running lanes verify, and no more; with nothing decoding, the
+    idle budget."""
+    config = EngineConfig(max_slots=4, max_num_batched_tokens=20, idle_prefill_tokens=50,
+                          block_size=4).resolve(torch.device("cpu"), 4)
     scheduler = Scheduler(config, num_pages=1000)
     running = [sequence(rid, 3, max_new=50) for rid in "ab"]
     for seq in running:
@@ -97,6 +101,13 @@ def test_the_prefill_budget_is_not_drawn_on_by_the_round():
     plan.prefill[0].seq.num_prefilled += 20
     plan = scheduler.schedule()
     assert [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("long", 20, 20)]
+    plan.prefill[0].seq.num_prefilled += 20
+    for seq in running:
+        scheduler.finish(seq, "length")
+    plan = scheduler.schedule()
+    assert plan.decode == () and [(c.seq.request_id, c.start, len(c.tokens)) for c in plan.prefill] == [("long", 40, 50)]
+    assert EngineConfig(max_num_batched_tokens=600).resolve(torch.device("cpu"), None).idle_prefill_tokens == 2048
+    assert EngineConfig(max_num_batched_tokens=4096).resolve(torch.device("cpu"), None).idle_prefill_tokens == 4096
 
 
 def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):
@@ -200,7 +211,7 @@ def test_abort_at_every_stage_frees_everything_and_spares_the_others(pairs, stag
     scripts = {tuple(p): e for p, e in zip(plist, expected)}
     max_slots = 2 if stage == "waiting" else 3
     engine = engine_for(target_dir, draft_source=ScriptedSource(scripts, 5, 96, corrupt=0.1), max_slots=max_slots,
-                        max_num_batched_tokens=8)
+                        max_num_batched_tokens=8, idle_prefill_tokens=8)
     victim = {"waiting": 2, "prefilling": 1, "speculating": 0}[stage]
     ids = [engine.add_request(p, GREEDY) for p in plist]
     seen = {i: [] for i in ids}

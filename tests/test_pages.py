@@ -56,13 +56,13 @@ def test_pages_smaller_than_the_block_and_the_prefill_chunk_keep_greedy_exact(pa
     page boundaries; speculative and target-only greedy equal the output with pages of 64."""
     batch = prompts(96, [3, 11, 17, 8], seed=2)
     wide = greedy(engine_for(pair[0], page_size=64, max_model_len=128), batch)
-    small_plain = greedy(engine_for(pair[0], page_size=4, max_num_batched_tokens=5, max_model_len=128), batch)
-    spec = engine_for(*pair, page_size=4, max_num_batched_tokens=5, max_model_len=128)
+    small_plain = greedy(engine_for(pair[0], page_size=4, max_num_batched_tokens=5, idle_prefill_tokens=5, max_model_len=128), batch)
+    spec = engine_for(*pair, page_size=4, max_num_batched_tokens=5, idle_prefill_tokens=5, max_model_len=128)
     assert greedy(spec, batch) == small_plain == wide
     # drafts that are all right (the greedy continuation, one in four corrupted): blocks of accepted rows
     # are committed across page boundaries
     source = ScriptedSource({tuple(p): out for p, out in zip(batch, wide)}, BLOCK, 96, corrupt=0.25, seed=1)
-    scripted = engine_for(pair[0], draft_source=source, page_size=4, max_num_batched_tokens=5, max_model_len=128)
+    scripted = engine_for(pair[0], draft_source=source, page_size=4, max_num_batched_tokens=5, idle_prefill_tokens=5, max_model_len=128)
     done, _ = scripted.generate(batch, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [c.token_ids for c in done] == wide
     accepted = [n for c in done for n in c.accepted_lengths]

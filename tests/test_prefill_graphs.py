@@ -34,18 +34,20 @@ class Replays:
 
     def __init__(self, runner):
         self.calls: list[list[int]] = []
+        self.shapes: list[int] = []  # the rows T of each replayed graph
         if DEVICE == "cpu":
             config = runner.config
             runner.prefill_graphs = {T: _Eager(runner._prefill_rows, lanes) for T, lanes in
                                      prefill_shapes(config.max_num_batched_tokens, config.max_slots,
-                                                    config.max_model_len)}
+                                                    config.max_model_len, config.idle_prefill_tokens)}
         assert runner.prefill_graphs, "the engine has no prefill graphs"
-        for graphs in runner.prefill_graphs.values():
-            graphs.run = self._recording(graphs.run)
+        for T, graphs in runner.prefill_graphs.items():
+            graphs.run = self._recording(graphs.run, T)
 
-    def _recording(self, run):
+    def _recording(self, run, T):
         def wrapped(*inputs):
             self.calls.append(inputs[1].tolist())
+            self.shapes.append(T)
             return run(*inputs)
         return wrapped
 
@@ -85,7 +87,7 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     among them, on a slot of a decoding sequence), the rest run eagerly; every token and its log
     probability, greedy and sampled, and the draft context equal the eager engine's. Dense and MoE."""
     target, draft = pairs[kind]
-    config = dict(max_slots=10, max_num_batched_tokens=256)
+    config = dict(max_slots=10, max_num_batched_tokens=256, idle_prefill_tokens=256)
     plain = engine_for(target, draft, prefill_graphs=False, **config)
     graphed = engine_for(target, draft, **config)  # real graphs on CUDA; on the CPU Replays stands in
     replays = Replays(graphed.runner)
@@ -131,12 +133,42 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     assert steps["graph"] == len(replays.calls) and steps["eager"] > 0  # /metrics tells the two apart
 
 
+def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
+    """Nothing decoding: a 200-token prompt goes in one step of the idle budget, replayed from the
+    single-lane 256-row graph; a second prompt arriving while it decodes goes in budget-sized chunks.
+    Outputs equal the eager engine's."""
+    config = dict(max_slots=4, max_num_batched_tokens=64, idle_prefill_tokens=256)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    batch = prompts(96, [200, 150], seed=8)
+    plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
+    engine = engine_for(pair[0], pair[1], **config)
+    replays = Replays(engine.runner)
+    assert engine.runner.prefill_graphs[256].buckets == (1,)
+    outputs = {}
+    for e in (plain, engine):
+        first = e.add_request(batch[0], params)
+        events = e.step()
+        assert [ev.request_id for ev in events if ev.token_ids] == [first]  # prefilled in one step
+        second = e.add_request(batch[1], params)
+        got = {first: [t for ev in events for t in ev.token_ids], second: []}
+        while e.has_work():
+            for ev in e.step():
+                got[ev.request_id] += ev.token_ids
+        outputs[e] = [got[first], got[second]]
+    assert outputs[engine] == outputs[plain]
+    assert replays.shapes[0] == 256 and replays.shapes[1:] and set(replays.shapes[1:]) <= {64}
+
+
 def test_prefill_shapes_cover_the_step_budget():
     """Shapes up to the budget's rows, each with the lanes that pad a full step at most twice over."""
     assert prefill_shapes(512, 64, 4096) == ((64, 16), (128, 8), (256, 4), (512, 2))
     assert prefill_shapes(512, 8, 4096) == ((64, 8), (128, 8), (256, 4), (512, 2))
     assert prefill_shapes(100, 8, 4096) == ((64, 4), (128, 2))  # a 65..100-row chunk needs 128 rows
     assert prefill_shapes(8192, 2, 1000) == ((64, 2), (128, 2), (256, 2), (512, 2), (1024, 2))
+    # above the budget, single-lane shapes up to the idle budget (one prompt arriving at an idle engine)
+    assert prefill_shapes(512, 8, 4096, 2048) == ((64, 8), (128, 8), (256, 4), (512, 2), (1024, 1), (2048, 1))
+    assert prefill_shapes(100, 8, 600, 2048) == ((64, 4), (128, 2), (256, 1), (512, 1), (1024, 1))
+    assert prefill_shapes(512, 8, 4096, 256) == prefill_shapes(512, 8, 4096)
     for budget in (100, 512, 8192):  # a full step of the widest chunks fits the widest shape's lanes
         shapes = prefill_shapes(budget, 64, 100_000)
         T, lanes = shapes[-1]
@@ -153,7 +185,7 @@ def test_preempted_sequences_resume_exactly_through_prefill_graphs(pair):
     from tests.test_pages import page_bytes
 
     batch = prompts(96, [10, 7, 12, 9], seed=4)
-    config = dict(max_slots=4, max_model_len=64, page_size=4, max_num_batched_tokens=64,
+    config = dict(max_slots=4, max_model_len=64, page_size=4, max_num_batched_tokens=64, idle_prefill_tokens=64,
                   kv_cache_memory=26 * page_bytes(pair[0], pair[1], page_size=4))
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     eager_engine = engine_for(pair[0], pair[1], prefill_graphs=False, **config)

@@ -55,7 +55,7 @@ def solo(folder, prompt, n):
 
 def test_long_prompt_prefills_in_chunks_while_others_stream(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256,
-                                    max_num_batched_tokens=8)
+                                    max_num_batched_tokens=8, idle_prefill_tokens=8)
     sched, log = EngineWorker(engine, WorkerConfig(), Metrics()), Log()
     sched.start()
     sched.submit(job("a", [5, 6, 7], log, 60))

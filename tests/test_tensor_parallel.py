@@ -105,7 +105,7 @@ def _serve_prompts(tp, target: str, draft: str | None, out: str) -> list[list[in
     """A rank's engine generating ragged prompts together, greedy, seeded and unseeded sampled; each rank
     writes what it generated (the ranks must agree without being told)."""
     engine = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False,
-                                    tensor_parallel=tp, max_slots=4, max_model_len=96, max_num_batched_tokens=32)
+                                    tensor_parallel=tp, max_slots=4, max_model_len=96, max_num_batched_tokens=32, idle_prefill_tokens=32)
     params = [SamplingParams(max_new_tokens=14, ignore_eos=True),
               SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.8, seed=7),
               SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=1.0),  # unseeded
@@ -137,7 +137,7 @@ def test_tensor_parallel_engine_serves_what_one_device_serves(pairs, kind, specu
     (a, acc_a, spec_a), (b, acc_b, _) = (torch.load(tmp_path / f"engine{r}.pt") for r in range(2))
     assert a == b == tokens and acc_a == acc_b and spec_a == "fixed"
     single = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False, max_slots=4,
-                                    max_model_len=96, max_num_batched_tokens=32, speculation="fixed")
+                                    max_model_len=96, max_num_batched_tokens=32, idle_prefill_tokens=32, speculation="fixed")
     params = [SamplingParams(max_new_tokens=14, ignore_eos=True),
               SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.8, seed=7)]
     want, _ = single.generate([list(p) for p in PROMPTS], params)

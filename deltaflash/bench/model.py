@@ -5,6 +5,8 @@ compute limit (weight read, or prefill FLOPs at the measured bf16 GEMM rate, whi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deltaflash.bench.common import copy_bandwidth_gbs, machine, matmul_tflops, print_table, time_ms, write_json
@@ -122,9 +124,10 @@ def prefill_flops(cfg, tokens: int, read_bytes: int) -> float:
 
 
 def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
-    """Time to first token of one prompt per length: our engine at the serve defaults (one slot; chunked
-    prefill under the default step budget, graphs where a chunk fits one), transformers' forward of the
-    prompt (last row's logits, argmax), and the compute limit."""
+    """Time to first token of one prompt per length: our engine at the serve defaults (one slot; a prompt
+    at an idle engine goes in chunks of the idle budget, graphs where a chunk fits one), the same in
+    chunks of the step budget (what a prompt arriving beside running streams gets), transformers' forward
+    of the prompt (last row's logits, argmax), and the compute limit."""
     from deltaflash.engine.config import EngineConfig
     from deltaflash.engine.engine import Engine
 
@@ -133,13 +136,16 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
     rate = matmul_tflops(device)
     longest = max(lengths)
     pages = 2 * kv_bytes_per_token(cfg, torch.bfloat16) * (longest + 256)
-    engine = Engine(model, None, None, EngineConfig(max_slots=1, max_model_len=longest + 8, kv_cache_memory=pages))
+    config = EngineConfig(max_slots=1, max_model_len=longest + 8, kv_cache_memory=pages)
+    engine = Engine(model, None, None, config)
+    budget_chunks = Engine(model, None, None, dataclasses.replace(config, idle_prefill_tokens=1))
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     rows = []
     for n in lengths:
         prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
         compute_ms = max(limit_ms, prefill_flops(cfg, n, read_bytes) / (rate * 1e12) * 1e3)
         row = {"prompt_tokens": n, "deltaflash_ms": time_ms(lambda: engine.generate([prompt], params), 1, 3),
+               "budget_chunks_ms": time_ms(lambda: budget_chunks.generate([prompt], params), 1, 3),
                "compute_limit_ms": compute_ms}
         if hf is not None:
             ids = torch.tensor([prompt], device=device)
@@ -147,8 +153,9 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
             row["speedup_vs_transformers"] = row["transformers_ms"] / row["deltaflash_ms"]
         row["deltaflash_x_limit"] = row["deltaflash_ms"] / compute_ms
         rows.append(row)
-    print(f"bf16 GEMM rate {rate:.0f} TFLOP/s (measured); engine: one slot, step budget "
-          f"{engine.config.max_num_batched_tokens} tokens, prefill graphs {engine.config.prefill_graphs}")
+    print(f"bf16 GEMM rate {rate:.0f} TFLOP/s (measured); engine: one slot, idle prefill budget "
+          f"{engine.config.idle_prefill_tokens} tokens (budget_chunks: the step budget's "
+          f"{engine.config.max_num_batched_tokens}), prefill graphs {engine.config.prefill_graphs}")
     print_table("time to first token, one prompt (ratios: deltaflash / compute limit)", rows)
     return rows
 

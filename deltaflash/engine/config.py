@@ -37,6 +37,9 @@ class EngineConfig:
     max_num_batched_tokens: prompt tokens one step prefills (oldest prompt first, in chunks), beside the
         round, which every decoding lane gets each step whatever its width: a prompt arriving stalls the
         running streams by at most this much prefill, and a full round never starves waiting prompts.
+    idle_prefill_tokens: prompt tokens a step prefills when no sequence is decoding (no stream to stall:
+        a prompt arriving at an idle engine goes in chunks of this size, fewer weight reads and better
+        shaped GEMMs than the budget's; never less than max_num_batched_tokens).
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
@@ -69,6 +72,7 @@ class EngineConfig:
     max_slots: int = 8
     max_model_len: int | None = None
     max_num_batched_tokens: int = 512
+    idle_prefill_tokens: int = 2048
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -90,7 +94,8 @@ class EngineConfig:
         DeltaflashError for impossible options. (max_model_len may still be lowered to the page pool's
         capacity by the runner, `fit_to_pages`.)"""
         env = os.environ if env is None else env
-        for name, low in (("max_slots", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1), ("block_size", 0),
+        for name, low in (("max_slots", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
+                          ("idle_prefill_tokens", 1), ("block_size", 0),
                           ("page_size", 1), ("kv_cache_memory", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
@@ -140,7 +145,8 @@ class EngineConfig:
                                       f"{self.tree_top_k} candidates")
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
                                    block_size=block, speculation=speculation,
-                                   max_model_len=self.max_model_len or model_max_len)
+                                   max_model_len=self.max_model_len or model_max_len,
+                                   idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))
 
     @property
     def adaptive(self) -> bool:

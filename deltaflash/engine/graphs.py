@@ -49,17 +49,19 @@ def padded_rows_allowed(rows: int) -> int:
     return 2 * rows + PREFILL_ROWS
 
 
-def prefill_shapes(budget: int, max_slots: int, max_model_len: int) -> tuple[tuple[int, int], ...]:
+def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget: int = 0
+                   ) -> tuple[tuple[int, int], ...]:
     """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the
     longest prompt, at most PREFILL_MAX_ROWS). A step holds at most `budget` rows and may replay a shape
     padding it to about twice that (the runner's rule), so shape T has the largest lane bucket of at
     most padded_rows_allowed(budget) / T lanes (at least one, at most max_slots): three chunks of 170 rows
-    fit 4 x 256."""
+    fit 4 x 256. Above the budget, up to `idle_budget` (the rows of a step with nothing decoding: one
+    prompt arriving at an idle engine, mostly), one lane each."""
     shapes, T = [], PREFILL_ROWS
-    top = min(budget, max_model_len, PREFILL_MAX_ROWS)
+    top = min(max(budget, idle_budget), max_model_len, PREFILL_MAX_ROWS)
     while True:
         fit = max((b for b in LANE_BUCKETS if b * T <= padded_rows_allowed(budget)), default=1)
-        shapes.append((T, min(fit, max_slots)))
+        shapes.append((T, min(fit, max_slots) if T < 2 * budget else 1))
         if T >= top:
             return tuple(shapes)
         T *= 2

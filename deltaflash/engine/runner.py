@@ -116,7 +116,8 @@ class ModelRunner:
                 self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         if self.graphs is not None and config.prefill_graphs:
-            for T, lanes in prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len):
+            for T, lanes in prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len,
+                                           config.idle_prefill_tokens):
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
@@ -151,9 +152,10 @@ class ModelRunner:
         rows a padded step may reach) plus those of a round (draft, verify) at the largest lane bucket,
         measured on a probe pool of static pages for a few positions per slot."""
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
-        rows = config.max_num_batched_tokens
+        rows = config.idle_prefill_tokens
         if config.prefill_graphs:
-            rows = max(T * n for T, n in prefill_shapes(rows, config.max_slots, config.max_model_len))
+            rows = max(rows, *(T * n for T, n in prefill_shapes(config.max_num_batched_tokens, config.max_slots,
+                                                               config.max_model_len, rows)))
         chunk = min(rows, config.max_model_len)
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
         source = None

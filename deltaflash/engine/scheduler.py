@@ -6,7 +6,8 @@ preempting the most recently admitted sequences while pages run short; admits wa
 come, first served) into free slots when their prompt's pages are free; and spends the prefill budget
 on prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per step, beside the
 round (the round does not draw on it: under load a speculative round is lanes x width rows, and taking
-those from the prompts' share left free slots waiting on prefill). A preempted sequence gives back its slot and pages and waits at
+those from the prompts' share left free slots waiting on prefill); `idle_prefill_tokens` when nothing
+decodes (a prompt arriving at an idle engine stalls no stream, and larger chunks prefill it faster). A preempted sequence gives back its slot and pages and waits at
 the head of the queue; when readmitted, its prompt and generated tokens are prefilled again (nothing
 is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -124,7 +125,7 @@ class Scheduler:
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
-        prefill = tuple(self._prefill_chunks())
+        prefill = tuple(self._prefill_chunks(decoding=bool(decode)))
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill,
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width,
@@ -175,8 +176,11 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _prefill_chunks(self) -> list[PrefillChunk]:
-        budget, chunks = self.config.max_num_batched_tokens, []
+    def _prefill_chunks(self, decoding: bool) -> list[PrefillChunk]:
+        """Prompt chunks, oldest prompt first: the budget's tokens beside a round, the idle budget's when
+        nothing decodes (no stream waits on the step)."""
+        config, chunks = self.config, []
+        budget = config.max_num_batched_tokens if decoding else config.idle_prefill_tokens
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
                 continue

@@ -17,6 +17,9 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prompt tokens one step prefills, in chunks, beside every running lane's round (which "
                         "always runs): a prompt arriving stalls the running streams by at most this much prefill")
+    p.add_argument("--idle-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
+                        "chunks, faster time to first token); at least --max-num-batched-tokens")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the chosen one is printed)")
     p.add_argument("--api-key", default=os.environ.get("DELTAFLASH_API_KEY"),
@@ -48,6 +51,7 @@ def check_flags(args) -> None:
     for name, value, low, high in (("--max-concurrency", args.max_concurrency, 1, None),
                                    ("--max-queue", args.max_queue, 0, None),
                                    ("--max-num-batched-tokens", args.max_num_batched_tokens, 1, None),
+                                   ("--idle-prefill-tokens", args.idle_prefill_tokens, 1, None),
                                    ("--request-timeout", args.request_timeout, 0, None),
                                    ("--shutdown-timeout", args.shutdown_timeout, 0, None),
                                    ("--port", args.port, 0, 65535)):

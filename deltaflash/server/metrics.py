@@ -49,8 +49,9 @@ class Metrics:
                                     "could accept; 1: no drafting): the load-adaptive speculation's choice",
                                     buckets=buckets, registry=r)
         self.prefill_tokens_per_step = Histogram("deltaflash_prefill_tokens_per_step",
-                                                 "Prompt tokens prefilled in a step that prefilled (what the "
-                                                 "--max-num-batched-tokens step budget left after the round)",
+                                                 "Prompt tokens prefilled in a step that prefilled (at most "
+                                                 "--max-num-batched-tokens beside a round, "
+                                                 "--idle-prefill-tokens with nothing decoding)",
                                                  buckets=(1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
                                                  registry=r)
         self.prefill_steps = Counter("deltaflash_prefill_steps", "Steps that prefilled, by how: 'graph' replayed a "

@@ -49,6 +49,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[int, ...] = ()
+    # tensor parallelism: the embedding and lm_head of one rank hold vocab_size / vocab_shards rows
+    # (models/vocab.py; vocab_size stays the whole vocabulary's)
+    vocab_shards: int = 1
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.vocab_size // self.vocab_shards
 
     @property
     def num_layers(self) -> int:

@@ -24,6 +24,7 @@ from deltaflash.errors import (
     UnsupportedModelError,
 )
 from deltaflash.models.dflash import load_drafter
+from deltaflash.models.vocab import Vocab
 from deltaflash.core.request import SamplingParams
 from deltaflash.speculative.draft import draft_hidden, propose
 from deltaflash.speculative.sampling import LaneSampling, sampling_probs
@@ -134,13 +135,13 @@ def test_incremental_context_matches_full_context_oracle(tmp_path, target, varia
     fill(drafter, cache, 2, context, [6, 1, 4, 2])  # rows 13..19 of the previous sequence stay, unread
 
     lane = one_lane(2, 17, 13)
-    ours = draft_hidden(drafter, cache, embed, *lane, block_size=5)[0]
+    ours = draft_hidden(drafter, cache, Vocab.whole(embed), *lane, block_size=5)[0]
     ref = oracle_block(model, context, 17, embed)
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
     ref_logits = model.compute_logits(ref[1:], lambda h: F.linear(h, head))
-    torch.testing.assert_close(drafter.logits(ours[1:], head), ref_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(drafter.logits(ours[1:], Vocab.whole(embed, head)), ref_logits, atol=ATOL, rtol=0)
 
-    tokens = propose(drafter, cache, embed, head, *lane, block_size=5).tokens[0]
+    tokens = propose(drafter, cache, Vocab.whole(embed, head), *lane, block_size=5).tokens[0]
     if variant == "dflash":
         assert torch.equal(tokens, ref_logits.argmax(-1))
     else:
@@ -159,7 +160,7 @@ def test_knobs_read_from_top_level_or_dflash_config(tmp_path, target, knobs_in):
     cache = context_cache(drafter, 1, 16, torch.float32)
     context = features(7, seed=2)
     fill(drafter, cache, 0, context, [7])
-    ours = draft_hidden(drafter, cache, embed, *one_lane(0, 5, 7), block_size=5)[0]
+    ours = draft_hidden(drafter, cache, Vocab.whole(embed), *one_lane(0, 5, 7), block_size=5)[0]
     torch.testing.assert_close(ours, oracle_block(model, context, 5, embed), atol=ATOL, rtol=0)
 
 
@@ -184,7 +185,7 @@ def test_sliding_window_layers(tmp_path, target, layer_types, is_causal):
     cache = context_cache(drafter, 2, 32, torch.float32)
     context = features(11, seed=4)
     fill(drafter, cache, 1, context, [6, 3, 2])  # the window (4) is shorter than the context
-    ours = draft_hidden(drafter, cache, embed, *one_lane(1, 8, 11), block_size=5)[0]
+    ours = draft_hidden(drafter, cache, Vocab.whole(embed), *one_lane(1, 8, 11), block_size=5)[0]
     torch.testing.assert_close(ours, oracle_block(model, context, 8, embed), atol=ATOL, rtol=0)
 
 
@@ -195,7 +196,7 @@ def test_dflash2_sampled_selector_matches_oracle(tmp_path, target, monkeypatch):
     cache = context_cache(drafter, 1, 16, torch.float32)
     context = features(8, seed=6)
     fill(drafter, cache, 0, context, [3, 5])
-    ours = propose(drafter, cache, embed, head, *one_lane(0, 21, 8), block_size=5,
+    ours = propose(drafter, cache, Vocab.whole(embed, head), *one_lane(0, 21, 8), block_size=5,
                    sampling=lane_sampling(1, 0.7, seeds=[7]))
     assert ours.probs.shape == ours.indices.shape == (1, 4, 6)
 
@@ -223,8 +224,8 @@ def test_dflash_sampling_probs_match_oracle(tmp_path, target):
     cache = context_cache(drafter, 1, 16, torch.float32)
     fill(drafter, cache, 0, features(6, seed=8), [6])
     lane = one_lane(0, 4, 6)
-    logits = drafter.logits(draft_hidden(drafter, cache, embed, *lane, block_size=5)[0, 1:], head)
-    runs = [propose(drafter, cache, embed, head, *lane, block_size=5,
+    logits = drafter.logits(draft_hidden(drafter, cache, Vocab.whole(embed), *lane, block_size=5)[0, 1:], Vocab.whole(embed, head))
+    runs = [propose(drafter, cache, Vocab.whole(embed, head), *lane, block_size=5,
                     sampling=lane_sampling(1, 0.9, 0.8, 20, seeds=[11])) for _ in range(2)]
     torch.testing.assert_close(runs[0].probs[0], oracle._sampling_probs(logits, 0.9, 0.8, 20), atol=ATOL, rtol=0)
     assert torch.equal(runs[0].tokens, runs[1].tokens)  # one noise stream per (seed, step): reproducible
@@ -242,7 +243,7 @@ def test_sampled_tokens_follow_q(tmp_path, target, variant, streams):
     fill(drafter, cache, 0, features(5, seed=15), [5])
     lanes = 2000  # every lane drafts the same block, so slot 1 draws 2000 times from one q
     counters = {"seeds": (list(range(lanes)), None), "steps": ([16] * lanes, list(range(lanes)))}[streams]
-    p = propose(drafter, cache, embed, head, torch.zeros(lanes, dtype=torch.long), torch.full((lanes,), 9),
+    p = propose(drafter, cache, Vocab.whole(embed, head), torch.zeros(lanes, dtype=torch.long), torch.full((lanes,), 9),
                 torch.full((lanes,), 5), 5, sampling=lane_sampling(lanes, 1.5, top_k=20, seeds=counters[0],
                                                                    draws=counters[1]))
     q = p.probs[0, 0] if p.indices is None else torch.zeros(V).scatter(-1, p.indices[0, 0], p.probs[0, 0])
@@ -266,18 +267,18 @@ def test_batched_propose_equals_per_lane_runs(tmp_path, target, variant, tempera
     lanes = [(1, 40, 12), (-1, -1, 0), (0, 41, 3), (3, 42, 8)]  # (slot, anchor, anchor position)
     seeds = [20, 21, 22, 23]
     slot_ids, anchors, positions = (torch.tensor(col) for col in zip(*lanes))
-    batched = [propose(drafter, cache, embed, head, slot_ids, anchors, positions, 5,
+    batched = [propose(drafter, cache, Vocab.whole(embed, head), slot_ids, anchors, positions, 5,
                        sampling=lane_sampling(4, temperature, seeds=seeds), max_context_len=bound)
                for bound in (None, 12)]
-    hidden = draft_hidden(drafter, cache, embed, slot_ids, anchors, positions, 5)
+    hidden = draft_hidden(drafter, cache, Vocab.whole(embed), slot_ids, anchors, positions, 5)
     assert torch.isfinite(hidden).all()
     for i, lane in enumerate(lanes):
         if lane[0] < 0:
             continue
-        single = propose(drafter, cache, embed, head, *one_lane(*lane), 5,
+        single = propose(drafter, cache, Vocab.whole(embed, head), *one_lane(*lane), 5,
                          sampling=lane_sampling(1, temperature, seeds=[seeds[i]]))
         # fp32 rounding only: the batched lanes' SDPA sees the other lanes' masks beside its own
-        torch.testing.assert_close(hidden[i], draft_hidden(drafter, cache, embed, *one_lane(*lane), 5)[0],
+        torch.testing.assert_close(hidden[i], draft_hidden(drafter, cache, Vocab.whole(embed), *one_lane(*lane), 5)[0],
                                    atol=5 * ATOL, rtol=0)
         for run in batched:
             assert torch.equal(run.tokens[i], single.tokens[0])
@@ -295,7 +296,7 @@ def test_bf16_path_as_accurate_as_oracle_bf16(tmp_path, target, variant):
     oracle_error = (oracle_block(model.bfloat16(), context.bfloat16(), 2, embed.bfloat16()) - exact).abs().max()
     cache = context_cache(drafter, 1, 16, torch.bfloat16)
     fill(drafter, cache, 0, context.bfloat16(), [7])
-    ours = draft_hidden(drafter, cache, embed.bfloat16(), *one_lane(0, 2, 7), 5)[0]
+    ours = draft_hidden(drafter, cache, Vocab.whole(embed.bfloat16()), *one_lane(0, 2, 7), 5)[0]
     assert ours.dtype == torch.bfloat16
     assert (ours.float() - exact).abs().max() <= 2 * oracle_error.float()
 

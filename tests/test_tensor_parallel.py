@@ -24,6 +24,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
 from deltaflash.errors import DeltaflashError, UnsupportedModelError
 from deltaflash.models.loader import load_model
+from deltaflash.models.vocab import Vocab
 from deltaflash.ops.kernels import reference_kernels
 from deltaflash.parallel.launch import COLLECTIVE_TIMEOUT, ranks
 from deltaflash.parallel.tensor import Shard, shard_config, shard_model, shard_state
@@ -97,6 +98,9 @@ def test_shares_must_divide_the_heads_and_the_widths(target, tmp_path):
     with pytest.raises(UnsupportedModelError, match="does not divide num_heads 4, .*num_kv_heads 2"):
         shard_config(cfg, 3)
     assert shard_config(dataclasses.replace(cfg, num_kv_heads=1), 2).num_kv_heads == 1  # repeated, not split
+    assert shard_config(cfg, 2).vocab_rows == cfg.vocab_size // 2
+    with pytest.raises(UnsupportedModelError, match=f"vocab_size {cfg.vocab_size + 1}"):
+        shard_config(dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1), 2)
     moe = ModelConfig.from_folder(save_checkpoint(build_hf_model("moe"), tmp_path / "moe"))
     assert shard_config(moe, 2).moe_intermediate_size == moe.moe_intermediate_size // 2
 
@@ -204,6 +208,29 @@ def test_a_rank_failing_mid_run_ends_every_rank_with_its_error(pair):
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds()  # no wait for the timeout
 
 
+def test_vocab_shares_look_up_and_project_what_the_whole_tables_do():
+    """Each rank's share of the vocabulary (models/vocab.py): lookups of ids outside it are zeros, so the
+    ranks' lookups add up to the whole table's rows exactly (what the all-reduce does); the shares'
+    logits, concatenated in rank order (the all-gather), are the whole lm_head's."""
+    gen = torch.Generator().manual_seed(0)
+    V, H, size = 12, 5, 3
+    embed, head = torch.randn(V, H, generator=gen), torch.randn(V, H, generator=gen)
+    ids, hidden = torch.tensor([[0, 3, 11], [4, 8, 7]]), torch.randn(2, 3, H, generator=gen)
+    whole = Vocab.whole(embed, head)
+    rows = V // size
+    shares = [Vocab(embed[r * rows:(r + 1) * rows], head[r * rows:(r + 1) * rows], V, r * rows) for r in range(size)]
+    lookups = [s.embed(ids) for s in shares]
+    assert all(s.sharded for s in shares) and not whole.sharded
+    assert torch.equal(sum(lookups), whole.embed(ids))
+    assert all(torch.count_nonzero(x.abs().sum(-1)) == torch.count_nonzero((ids // rows) == r)
+               for r, x in enumerate(lookups))  # each id looked up by one rank only
+    gathered = torch.cat([s.head_weight @ hidden[..., None] for s in shares], dim=-2).squeeze(-1)
+    torch.testing.assert_close(gathered, whole.project(hidden))
+    joined = Vocab(shares[1].embed_weight, shares[1].head_weight, V, rows,
+                   gather=lambda t: torch.cat([hidden @ s.head_weight.T for s in shares], dim=-1))
+    torch.testing.assert_close(joined.project(hidden), whole.project(hidden))
+
+
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
 def test_sharded_loading_reads_only_each_ranks_rows(kind, tmp_path, monkeypatch):
     """load_model with a Shard builds the rank's share straight from the files - equal to slicing the whole
@@ -225,4 +252,5 @@ def test_sharded_loading_reads_only_each_ranks_rows(kind, tmp_path, monkeypatch)
         for name in want:
             assert torch.equal(got[name], want[name]), name
         sharded = [n for n in read_whole if Shard(whole.cfg, rank, 2).rows(n.removeprefix("model.")) is not None]
-        assert read_whole and not sharded  # norms and embeddings whole, every sharded tensor by rows
+        assert read_whole and not sharded  # norms and routers whole, every sharded tensor by rows
+        assert got["embed_tokens.weight"].shape[0] == whole.cfg.vocab_size // 2  # vocab-parallel

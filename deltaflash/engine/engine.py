@@ -73,13 +73,13 @@ class Engine:
         dtype = dtype or default_dtype(device)
         shard = None
         if tensor_parallel is not None and tensor_parallel.size > 1:  # each rank reads only its share
-            from deltaflash.parallel.tensor import Shard, all_reduce_sum
+            from deltaflash.parallel.tensor import Shard, connect
 
             def shard(cfg):
                 return Shard(cfg, tensor_parallel.rank, tensor_parallel.size)
         model = load_model(model_dir, dtype=dtype, device=device, progress=progress, shard=shard)
         if shard is not None:
-            model.reduce = all_reduce_sum(tensor_parallel.group)
+            connect(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.group)
         drafter = None
         if draft_dir is not None:
             from deltaflash.models.dflash import load_drafter

@@ -98,7 +98,7 @@ class ModelRunner:
         self.graphs = CudaGraphs(config.max_slots, self.device) if config.cuda_graphs else None
         factory = self.graphs.add if self.graphs is not None else None
         if drafter is not None:
-            draft_source = DFlashSource(drafter, param, model.lm_head_weight, self.pool.tables, W, factory,
+            draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory,
                                         self.kernels.paged_attention,
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None)
         self.source = draft_source
@@ -160,7 +160,7 @@ class ModelRunner:
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
         source = None
         if drafter is not None:
-            source = DFlashSource(drafter, self.model.embed_tokens.weight, self.model.lm_head_weight, probe.tables, W,
+            source = DFlashSource(drafter, self.model.vocab, probe.tables, W,
                                   attend=self.kernels.paged_attention)
         taps = tuple(source.tap_layer_ids) if source is not None else ()
         torch.cuda.synchronize(self.device)

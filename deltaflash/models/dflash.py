@@ -38,6 +38,7 @@ from deltaflash.errors import (
     UnsupportedModelError,
 )
 from deltaflash.models.checkpoint import Checkpoint
+from deltaflash.models.vocab import Vocab
 from deltaflash.models.dflash_config import DraftConfig, read_draft_config
 
 
@@ -204,9 +205,10 @@ class DFlashDrafter(nn.Module):
             h = layer(h, cos, sin, context, i, self.config.sliding_windows[i], self.config.causal[i])
         return self.norm(h)
 
-    def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
-        """hidden [..., H], lm_head_weight [V, H] -> [..., V] (multiplier, then optional softcap)."""
-        logits = F.linear(hidden, lm_head_weight) * self.config.output_multiplier
+    def logits(self, hidden: Tensor, vocab: Vocab) -> Tensor:
+        """hidden [..., H] -> [..., V] through the target's lm_head (`vocab`, models/vocab.py), times the
+        multiplier, then the optional softcap."""
+        logits = vocab.project(hidden) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

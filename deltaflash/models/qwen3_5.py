@@ -17,6 +17,7 @@ from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput, ancest
 from deltaflash.models.attention import AttentionRows, GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
 from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
+from deltaflash.models.vocab import Vocab
 from deltaflash.ops.kernels import Kernels
 
 
@@ -45,15 +46,18 @@ class Qwen35Model(nn.Module):
     # what adds a layer output's shares over the ranks under tensor parallelism (parallel/tensor.py);
     # one rank: the output is whole already
     reduce = staticmethod(lambda t: t)
+    # vocab-parallel ranks: the share's first row, and what concatenates the shares' logits (models/vocab.py)
+    vocab_start = 0
+    gather = staticmethod(lambda t: t)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_rows, bias=False)
 
     def merge_projections(self) -> Qwen35Model:
         """Each layer's input projections as one GEMM (layers.MergedProjections); once, after loading."""
@@ -66,9 +70,15 @@ class Qwen35Model(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
+    @property
+    def vocab(self) -> Vocab:
+        """The embedding and lm_head (this rank's share of them under tensor parallelism)."""
+        return Vocab(self.embed_tokens.weight, self.lm_head_weight, self.cfg.vocab_size, self.vocab_start,
+                     self.reduce, self.gather)
+
     def logits(self, hidden: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """Final norm + lm_head on [..., H] -> fp32 [..., V]."""
-        return self.linear(self.norm(hidden, kernels), self.lm_head_weight).float()
+        return self.vocab.project(self.norm(hidden, kernels), self.linear).float()
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
         taps = []
@@ -87,7 +97,7 @@ class Qwen35Model(nn.Module):
         taps [L, T, n_taps*H] or None). A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
         L, T = batch.input_ids.shape
         device = batch.input_ids.device
-        x = self.embed_tokens(batch.input_ids)
+        x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
@@ -116,7 +126,7 @@ class Qwen35Model(nn.Module):
         kernel reads each lane's own length either way)."""
         L, W = batch.input_ids.shape
         device = batch.input_ids.device
-        x = self.embed_tokens(batch.input_ids)
+        x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         if kmax is None and batch.start_host:
             kmax = max(batch.start_host) + W

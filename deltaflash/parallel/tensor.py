@@ -7,11 +7,13 @@ the GDN layers' key and value heads (their projections, conv channels, gates, an
 and recurrent state in the slot pool), and of the dense MLP's intermediate width - or, in MoE layers, of
 every expert's and the shared expert's intermediate width (tensor- rather than expert-parallel: every
 rank routes every token alike and holds an equal share of each expert's weights whatever the routing,
-so no rank waits on a popular expert and no tokens move between ranks; the router is replicated). The
-residual stream, the norms, the embedding and the lm_head are replicated. The products that leave a layer (attention's
-o_proj, GDN's out_proj, the MLP's down_proj) hold one share of the sum each: the model adds them over
-the ranks with one all-reduce per layer output (`Qwen35Model.reduce`), so every rank sees the whole
-residual stream and the same logits.
+so no rank waits on a popular expert and no tokens move between ranks; the router is replicated) - and
+of the vocabulary: the embedding's and the lm_head's rows (models/vocab.py: a lookup's shares are
+all-reduced, the logits' all-gathered, so every rank holds the whole logits and samples alike; the
+lm_head is the largest single matrix of a 9B model, 1 GB of its 18). The residual stream and the
+norms are replicated. The products that leave a layer (attention's o_proj, GDN's out_proj, the MLP's
+down_proj) hold one share of the sum each: the model adds them over the ranks with one all-reduce per
+layer output (`Qwen35Model.reduce`), so every rank sees the whole residual stream and the same logits.
 
 Head shares are contiguous: rank r of N holds heads [r h / N, (r + 1) h / N) of each kind. A GDN value
 head j reads key head j // (nv / nk) and an attention head i the key/value head i // (nh / nkv), so the
@@ -51,9 +53,12 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     kv = cfg.num_kv_heads
     if (kv % size if kv >= size else size % kv):
         uneven.append(f"num_kv_heads {kv} (nor is it a multiple of it)")
+    if cfg.vocab_size % size:
+        uneven.append(f"vocab_size {cfg.vocab_size}")
     if uneven:
         raise UnsupportedModelError(f"tensor parallel size {size} does not divide {', '.join(uneven)}")
-    return dataclasses.replace(cfg, num_kv_heads=max(kv // size, 1), **{name: n // size for name, n in counts.items()})
+    return dataclasses.replace(cfg, num_kv_heads=max(kv // size, 1), vocab_shards=size,
+                               **{name: n // size for name, n in counts.items()})
 
 
 def _share(n: int, rank: int, size: int, width: int = 1) -> torch.Tensor:
@@ -90,7 +95,9 @@ class Shard:
         else:  # the one key/value head this rank's query heads read
             head = rank * nkv // size
             kv_rows = torch.arange(head * hd, (head + 1) * hd)
+        vocab = _share(cfg.vocab_size, rank, size)
         rows = {  # parameter suffix -> (dim, indices) of its share
+            "embed_tokens.weight": (0, vocab), "lm_head.weight": (0, vocab),
             "linear_attn.in_proj_qkv.weight": (0, qkv_channels), "linear_attn.conv1d.weight": (0, qkv_channels),
             "linear_attn.in_proj_z.weight": (0, value_rows), "linear_attn.in_proj_b.weight": (0, v_heads),
             "linear_attn.in_proj_a.weight": (0, v_heads), "linear_attn.dt_bias": (0, v_heads),
@@ -150,6 +157,27 @@ def all_reduce_sum(group=None):
     return reduce
 
 
+def all_gather_last(size: int, group=None):
+    """The model's `gather` for a process group of `size` ranks: the ranks' [..., n] shares of the
+    logits concatenated in rank order into [..., size * n]."""
+    # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        parts = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        all_gather(parts, t, group=group)  # the ranks' shares one after another along dim 0
+        return parts.view(size, *t.shape).movedim(0, -2).flatten(-2)
+    return gather
+
+
+def connect(model: Qwen35Model, rank: int, size: int, group=None) -> Qwen35Model:
+    """Make a rank's share of the model add its layer outputs and assemble its vocabulary over `group`."""
+    if size > 1:
+        model.reduce, model.gather = all_reduce_sum(group), all_gather_last(size, group)
+        model.vocab_start = rank * model.cfg.vocab_rows
+    return model
+
+
 @torch.no_grad()
 def shard_model(model: Qwen35Model, rank: int, size: int, group=None) -> Qwen35Model:
     """Rank's share of a loaded full model, as a model of its own (same device and dtype) whose layer
@@ -161,5 +189,4 @@ def shard_model(model: Qwen35Model, rank: int, size: int, group=None) -> Qwen35M
     local.load_state_dict(shard_state(model.cfg, model.state_dict(), rank, size), assign=True, strict=True)
     local.to(device=param.device)
     local.merge_projections()
-    local.reduce = all_reduce_sum(group) if size > 1 else local.reduce
-    return local.eval()
+    return connect(local, rank, size, group).eval()

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from deltaflash.cache.draft_context import DraftContext, DraftContextCache
 from deltaflash.models.dflash import DFlashDrafter
+from deltaflash.models.vocab import Vocab
 from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.sampling import STREAM_DRAFT, LaneSampling, lane_probs, sample_from, uniform_noise
 
@@ -40,7 +41,7 @@ class DraftProposal:
 
 
 def draft_hidden(
-    drafter: DFlashDrafter, ctx_cache: DraftContextCache, embed_weight: Tensor,
+    drafter: DFlashDrafter, ctx_cache: DraftContextCache, vocab: Vocab,
     slot_ids: Tensor, anchor_ids: Tensor, anchor_positions: Tensor, block_size: int,
     max_context_len: int | None = None, attend=paged_attention_ref,
 ) -> Tensor:
@@ -49,7 +50,7 @@ def draft_hidden(
     config = drafter.config
     ids = torch.full((slot_ids.shape[0], block_size), config.mask_token_id, dtype=torch.long, device=slot_ids.device)
     ids[:, 0] = torch.where(slot_ids < 0, 0, anchor_ids)  # padding lanes may carry any anchor id
-    embeds = (F.embedding(ids, embed_weight) * config.input_embedding_scale).to(drafter.dtype)
+    embeds = (vocab.embed(ids) * config.input_embedding_scale).to(drafter.dtype)
     positions = anchor_positions[:, None] + torch.arange(block_size, device=slot_ids.device)
     context = DraftContext.build(ctx_cache, slot_ids, anchor_positions, block_size, attend, max_context_len)
     return drafter(embeds, positions, context)
@@ -57,21 +58,20 @@ def draft_hidden(
 
 @torch.no_grad()
 def propose(
-    drafter: DFlashDrafter, ctx_cache: DraftContextCache, embed_weight: Tensor, lm_head_weight: Tensor,
-    slot_ids: Tensor, anchor_ids: Tensor, anchor_positions: Tensor, block_size: int,
+    drafter: DFlashDrafter, ctx_cache: DraftContextCache, vocab: Vocab, slot_ids: Tensor, anchor_ids: Tensor, anchor_positions: Tensor, block_size: int,
     sampling: LaneSampling | None = None, max_context_len: int | None = None,
 ) -> DraftProposal:
     """Draft B-1 tokens for each of L lanes.
 
     slot_ids [L] (-1 = padding lane), anchor_ids [L], anchor_positions [L] (= the slot's context
-    length); embed_weight / lm_head_weight [V, H], the target's. sampling: the lanes' settings and
+    length); vocab: the target's embedding and lm_head (models/vocab.py). sampling: the lanes' settings and
     noise (None: every lane greedy). max_context_len: optional host-known bound on the lanes' context
     lengths (reads fewer rows).
     """
     anchor_ids = torch.where(slot_ids < 0, 0, anchor_ids)  # padding lanes may carry any anchor id
-    hidden = draft_hidden(drafter, ctx_cache, embed_weight, slot_ids, anchor_ids, anchor_positions,
+    hidden = draft_hidden(drafter, ctx_cache, vocab, slot_ids, anchor_ids, anchor_positions,
                           block_size, max_context_len)[:, 1:]  # [L, B-1, H]
-    logits = drafter.logits(hidden, lm_head_weight)  # [L, B-1, V]
+    logits = drafter.logits(hidden, vocab)  # [L, B-1, V]
     return choose_tokens(drafter, hidden, logits, anchor_ids,
                          sampling or LaneSampling.greedy_lanes(slot_ids.shape[0], slot_ids.device))
 

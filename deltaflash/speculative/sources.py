@@ -23,6 +23,7 @@ from deltaflash.cache.draft_context import DraftContextCache
 from deltaflash.cache.pages import BlockTables
 from deltaflash.core.batch import to_device
 from deltaflash.core.request import Sequence as Seq
+from deltaflash.models.vocab import Vocab
 from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import LaneSampling
@@ -64,29 +65,29 @@ def pad_rows(slot_ids: Tensor, positions: Tensor, taps: Tensor, width: int) -> t
 
 
 class DFlashSource:
-    def __init__(self, drafter, embed_weight: Tensor, lm_head_weight: Tensor, tables: BlockTables,
+    def __init__(self, drafter, vocab: Vocab, tables: BlockTables,
                  block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref,
                  tree: tuple[int, int] | None = None):
-        """tables: the target's block tables (the context lives in pages of the same ids). block_size: the
+        """vocab: the target's embedding and lm_head (models/vocab.py). tables: the target's block tables (the context lives in pages of the same ids). block_size: the
         verify width W (default: the drafter's own). graph_factory: when given, the block forward and the
         context append replay CUDA graphs per lane bucket (the reference attention then reads the whole
         table, a fixed shape; the Triton kernel reads each lane's own length). attend: the paged
         attention op of the engine's kernel set. tree: (budget, top_k) of the engine's draft trees: with
         graphs, the block forward and the tree built from it (about a hundred small ops) replay as one."""
-        self.drafter, self.embed_weight, self.lm_head_weight = drafter, embed_weight, lm_head_weight
+        self.drafter, self.vocab = drafter, vocab
         c = drafter.config
         self.block_size = block_size or c.block_size
         self.tap_layer_ids = tuple(c.target_layer_ids)
         self.attend = attend
         self.context = DraftContextCache(tables, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                                         head_dim=c.head_dim, dtype=drafter.dtype, device=embed_weight.device)
+                                         head_dim=c.head_dim, dtype=drafter.dtype, device=vocab.device)
         self.block_graphs = self.append_graphs = None
         if graph_factory is not None:
             W, taps = self.block_size, len(self.tap_layer_ids) * c.hidden_size
             lane = ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
             if tree is None:  # tree rounds draft through the tree graph below (chains are never drafted then)
                 self.block_graphs = graph_factory("drafter block", self._block_logits, lane)
-            rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), embed_weight.dtype, 0)
+            rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), vocab.dtype, 0)
             self.append_graphs = graph_factory("drafter context append", self._append_rows, rows)
         self.tree, self.tree_graphs = tree, None
         if graph_factory is not None and tree is not None:
@@ -111,9 +112,9 @@ class DFlashSource:
 
     def _block_logits(self, slot_ids, anchors, start, max_context_len: int | None = None):
         """The block's hidden [L, W-1, H] and logits [L, W-1, V] of the drafted slots."""
-        hidden = draft_hidden(self.drafter, self.context, self.embed_weight, slot_ids, anchors, start,
+        hidden = draft_hidden(self.drafter, self.context, self.vocab, slot_ids, anchors, start,
                               self.block_size, max_context_len=max_context_len, attend=self.attend)[:, 1:]
-        return hidden, self.drafter.logits(hidden, self.lm_head_weight)
+        return hidden, self.drafter.logits(hidden, self.vocab)
 
     def draft(self, seqs, slot_ids, anchors, start, sampling):
         hidden, logits = self._block(seqs, slot_ids, anchors, start)

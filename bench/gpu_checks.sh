@@ -6,7 +6,8 @@
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx
-# treeround treedemo invariance stepprofile ttft model savecache. PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
+# treeround treedemo invariance stepprofile ttft model tp savecache (tp: the 27B shape's round at TP 1 and
+# TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `first` starts `deltaflash serve` (bundled pair) and times its start-up and first ten requests.
@@ -89,6 +90,12 @@ for step in "$@"; do
         ttft) for off in 0 1; do  # one 173-token prompt's TTFT with prefill graphs and without (demo pair)
                   DELTAFLASH_NO_PREFILL_GRAPHS=$off run ttft 90 python3 bench/step_profile.py --ttft 173 --steps 20
               done ;;
+        tp) for size in 1 ${TP_SIZES:-2 4}; do  # issue 19: the 27B shape's round per GPU count (multi-GPU kinds)
+                if [ "$size" -le "$(nvidia-smi -L | wc -l)" ]; then
+                    run tp 300 python3 -m deltaflash bench round --shape 27b --tensor-parallel-size $size --lanes 1 16 \
+                        --routes fused --rounds 6 --json "$OUT/round-27b-tp$size.json"
+                fi
+            done ;;
         stepprofile) for lanes in 1 16 64; do  # one step's wall / device time / host ops (bench/step_profile.py)
                          for mode in "" --target-only; do
                              run stepprofile 120 python3 bench/step_profile.py --lanes $lanes --max-slots 64 $mode

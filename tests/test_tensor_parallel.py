@@ -163,6 +163,24 @@ def test_cli_generate_on_two_ranks_equals_one(pair):
     assert bad.returncode == 2 and "rank" in bad.stderr and "does not divide" in bad.stderr
 
 
+def test_bench_round_over_two_ranks_times_each_ranks_share(tmp_path):
+    """`bench round --tensor-parallel-size 2` (the toy shape on the CPU; the 9B / 27B shapes on GPUs): every
+    rank runs the rounds in step, rank 0 reports them against the weight-read limit of its share - about
+    half the weights (norms and routers are whole on each)."""
+    reports = {}
+    for size in (1, 2):
+        out = tmp_path / f"tp{size}.json"
+        subprocess.run([sys.executable, "-m", "deltaflash", "bench", "round", "--device", "cpu", "--shape", "toy",
+                        "--tensor-parallel-size", str(size), "--lanes", "1", "2", "--width", "4", "--rounds", "2",
+                        "--prompt-len", "16", "--max-model-len", "64", "--routes", "unfused", "--json", str(out)],
+                       capture_output=True, text=True, check=True, timeout=300)
+        reports[size] = json.loads(out.read_text())
+    one, two = reports[1], reports[2]
+    assert two["tensor_parallel_size"] == 2 and [r["lanes"] for r in two["rows"]] == [1, 2]
+    assert 0.45 < two["weight_read_bytes"] / one["weight_read_bytes"] < 0.55
+    assert all(r["unfused_round_ms"] > 0 and r["unfused_verify_ms"] > 0 for r in two["rows"])
+
+
 def test_server_on_two_ranks_answers_what_one_device_answers(tmp_path):
     """`deltaflash serve --tensor-parallel-size 2` (gloo, CPU): concurrent completions,
     greedy and seeded, with a drafter, equal those of a one-device server; SIGTERM stops every rank, exit 0."""

@@ -1,5 +1,7 @@
-"""`deltaflash bench round`: a full speculative round of the Qwen3.5-9B shape (random bf16 weights,
-scripted drafts) at several concurrencies, as a ratio to the weight-read limit, fused vs unfused."""
+"""`deltaflash bench round`: a full speculative round of the Qwen3.5-9B (or 27B) shape (random bf16
+weights, scripted drafts) at several concurrencies, as a ratio to the weight-read limit, fused vs
+unfused; with --tensor-parallel-size N, over N GPUs (each rank's share of random weights: the shapes
+are what counts) against one GPU's weight-read limit of its share."""
 
 from __future__ import annotations
 
@@ -11,18 +13,19 @@ from deltaflash.bench.common import copy_bandwidth_gbs, machine, print_table, ti
 from deltaflash.core.request import SamplingParams, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.engine import Engine
-from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
+from deltaflash.models.random_init import SHAPES, random_model, weight_bytes
 from deltaflash.speculative.sources import ScriptedSource
 
 
 def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int, kernels: str = "auto",
-                    tree_budget: int = 0) -> Engine:
+                    tree_budget: int = 0, tensor_parallel=None) -> Engine:
     """An engine with `lanes` sequences past prefill, drafting from a (random) script (trees of
-    `tree_budget` nodes when given)."""
+    `tree_budget` nodes when given); `tensor_parallel`: this rank's place when the model is a share."""
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
     engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, max_num_batched_tokens=4096,
-                                                    kernels=kernels, tree_budget=tree_budget), draft_source=source)
+                                                    kernels=kernels, tree_budget=tree_budget), draft_source=source,
+                    tensor_parallel=tensor_parallel)
     gen = torch.Generator().manual_seed(lanes)
     for _ in range(lanes):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -37,7 +40,8 @@ def verify_inputs(engine) -> tuple:
     seqs = list(engine.scheduler.running.values())
     W, dev = engine.config.block_size, engine.device
     starts = [s.position for s in seqs]
-    return (torch.randint(0, engine.cfg.vocab_size, (len(seqs), W), device=dev),
+    gen = torch.Generator().manual_seed(len(seqs))  # the same ids on every rank
+    return (torch.randint(0, engine.cfg.vocab_size, (len(seqs), W), generator=gen).to(dev),
             torch.tensor([s.slot for s in seqs], device=dev), torch.tensor(starts, device=dev), max(starts) + W)
 
 
@@ -55,19 +59,34 @@ def round_ms(engine, rounds: int) -> float:
     return times[len(times) // 2]
 
 
+def run(args) -> dict | None:
+    if args.tensor_parallel_size > 1:
+        from deltaflash.parallel.launch import ranks
+
+        with ranks(args.tensor_parallel_size, torch.device(args.device).type, _measure, args) as tp:
+            return _measure(tp, args)  # every rank times the same rounds in step; this one (rank 0) reports
+    return _measure(None, args)
+
+
 @torch.inference_mode()
-def run(args) -> dict:
-    cfg = qwen35_9b_config(args.layers)
-    model = random_model(cfg, torch.bfloat16, "cuda")
+def _measure(tensor_parallel, args) -> dict | None:
+    from deltaflash.parallel.tensor import connect, shard_config
+
+    cfg = SHAPES[args.shape](*([args.layers] if args.layers else []))
+    size, rank = (tensor_parallel.size, tensor_parallel.rank) if tensor_parallel is not None else (1, 0)
+    device = torch.device(args.device)  # (cuda: this rank's, set when the group formed)
+    model = random_model(shard_config(cfg, size) if size > 1 else cfg, torch.bfloat16, device)
+    if size > 1:
+        connect(model, rank, size, tensor_parallel.group)
     _, read_bytes = weight_bytes(model)
-    bw = copy_bandwidth_gbs("cuda")
+    bw = copy_bandwidth_gbs(device, 4 << 30 if device.type == "cuda" else 64 << 20)
     limit = read_bytes / (bw * 1e9) * 1e3
     rows, graphs, pages = [], False, ""
     for lanes in args.lanes:
         row = {"lanes": lanes}
         for name, kernels in [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]:
             engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len, kernels,
-                                     args.tree_budget)
+                                     args.tree_budget, tensor_parallel)
             graphs = engine.config.cuda_graphs
             pages = engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)
             inputs = verify_inputs(engine)
@@ -75,7 +94,8 @@ def run(args) -> dict:
                 row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
             row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
             engine = None  # free its pool before the next engine
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         row["weight_read_ms"] = limit
         if "fused" in args.routes:
             if not args.tree_budget:
@@ -84,20 +104,29 @@ def run(args) -> dict:
         if len(args.routes) == 2:
             row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
         rows.append(row)
-    print(f"weight bytes read per forward {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
+    if rank:
+        return None
+    per = f" per rank (tensor parallel {size}: rank 0's share and bandwidth)" if size > 1 else ""
+    print(f"weight bytes read per forward{per} {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
           f"weight-read limit {limit:.2f} ms; W = {args.width}; context {args.prompt_len}; max_model_len "
           f"{args.max_model_len}; CUDA graphs: {'on' if graphs else 'off'}; {pages}")
-    print_table("speculative round, Qwen3.5-9B shape, random bf16 weights, scripted drafts", rows)
-    result = {"machine": machine(), "weight_read_limit_ms": limit, "copy_bandwidth_gbs": bw, "rows": rows}
+    print_table(f"speculative round, Qwen3.5-{args.shape} shape{f', TP {size}' if size > 1 else ''}, random bf16 "
+                "weights, scripted drafts", rows)
+    result = {"machine": machine(), "shape": args.shape, "tensor_parallel_size": size, "weight_read_limit_ms": limit,
+              "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bw, "rows": rows}
     write_json(args.json, result)
     return result
 
 
 def register(sub) -> None:
-    p = sub.add_parser("round", help="a full speculative round of the 9B shape vs the weight-read limit (CUDA)")
+    p = sub.add_parser("round", help="a full speculative round of the 9B / 27B shape vs the weight-read limit (CUDA)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="9b",
+                   help="the model's shapes (toy: a few-MB model to try the script on the CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the target is sharded over")
+    p.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script")
     p.add_argument("--lanes", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--width", type=int, default=16)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=None, help="layers (default: the shape's own)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=8)

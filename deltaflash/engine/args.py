@@ -38,8 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory of the K/V page pool, e.g. 2GiB, 512MiB or bytes (default: 2GiB on CPU; on CUDA "
                         "what --gpu-memory-utilization leaves)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs (or CPU processes) the target is sharded over, one process each (generate and "
-                        "serve)")
+                   help="GPUs (or CPU processes) the target is sharded over, one process each (generate, serve; "
+                        "`bench round` has its own)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine may use in all: weights, slot state, CUDA graphs, "
                         "activations and the K/V pages that fill the rest (default 0.9)")
@@ -86,8 +86,8 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_par
 
     check_engine_flags(args)
     if args.tensor_parallel_size > 1 and tensor_parallel is None:
-        raise DeltaflashError("--tensor-parallel-size > 1 runs `deltaflash generate` and `serve` only so far (the "
-                              "benchmarks on one device)")
+        raise DeltaflashError("--tensor-parallel-size > 1 runs `deltaflash generate` and `serve` (and "
+                              "`bench round`, its own flag); the other benchmarks run on one device")
     if args.model is None:
         args.model = str(BUNDLED / "target")
         if args.draft is None and (BUNDLED / "draft").is_dir():

@@ -67,6 +67,7 @@ def _follower_main(rank: int, size: int, device_type: str, init: str, fn: Callab
         _join(rank, size, device_type, init)
         try:
             fn(TensorParallel(rank, size), *args)
+            dist.barrier()  # see ranks()
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # reported to rank 0, which names it
@@ -98,6 +99,9 @@ def ranks(size: int, device_type: str, follower: Callable, *args) -> Iterator[Te
             _join(0, size, device_type, init)
             try:
                 yield TensorParallel(0, size)
+                # no rank tears the group down while another may still be inside its last collective (a
+                # peer's connection closing under it aborts that process)
+                dist.barrier()
             finally:
                 dist.destroy_process_group()
         except Exception as exc:

@@ -3,8 +3,11 @@ the device's busy time per step, and the host-side torch ops and device kernels 
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
     python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
-        [--slowest 5] [--gc-freeze] [--ttft N]
+        [--slowest 5] [--gc-freeze] [--ttft N] [--shape 9b]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
+
+--shape 9b / 27b: a target-only engine of that shape (random bf16 weights) instead of the demo pair, for
+--ttft: which kernels of a long prefill run below the GEMM rate (the device kernels table).
 """
 
 from __future__ import annotations
@@ -92,9 +95,15 @@ def ttft_profile(engine, args) -> None:
             first_token(i)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"{deltaflash.__file__}: TTFT of one {args.ttft}-token prompt ({'target-only' if args.target_only else 'spec'})"
+    print(f"{deltaflash.__file__}: TTFT of one {args.ttft}-token prompt ({'target-only' if args.target_only or args.shape != 'demo' else 'spec'}, {args.shape})"
           f": p50 {1e3 * statistics.median(walls):.2f} ms, min {1e3 * min(walls):.2f} ms over {len(walls)}; device busy "
           f"{device_us / 1e4:.2f} ms per request (under the profiler)")
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total),
+                     key=lambda e: -e.self_device_time_total)
+    if kernels:
+        print("  device kernels by time per request (us, launches per request):")
+        for e in kernels[:args.rows]:
+            print(f"    {e.self_device_time_total / 10:8.1f}  {e.count / 10:6.1f}  {e.key[:90]}")
     host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
     print("  host ops by self CPU time per request (us, calls per request):")
     for e in host[:args.rows]:
@@ -122,14 +131,23 @@ def main() -> None:
     ap.add_argument("--python", action="store_true", help="also the Python functions by own time (cProfile)")
     ap.add_argument("--slowest", type=int, default=5, help="list the N slowest steps with what they did")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up, as a server would")
+    ap.add_argument("--shape", default="demo", help="demo (the bundled pair), or 9b / 27b / toy: a target-only "
+                    "engine of random bf16 weights of that shape")
     ap.add_argument("--ttft", type=int, default=0, metavar="N",
                     help="instead: time to first token of one N-token prompt at a time (host ops, Python functions)")
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
     slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft", device=args.device,
-                                    progress=False, **slots)
+    if args.shape == "demo":
+        engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft",
+                                        device=args.device, progress=False, **slots)
+    else:  # (a tree without random_init.SHAPES has only the demo pair here)
+        from deltaflash.engine.config import EngineConfig
+        from deltaflash.models.random_init import SHAPES, random_model
+
+        model = random_model(SHAPES[args.shape](), torch.bfloat16, args.device)
+        engine = Engine(model, None, None, EngineConfig(**({"max_model_len": max(args.ttft + 64, 256)} | slots)))
     started = time.perf_counter() - t0
     prompt = list(range(3, 60))
     # at a small max_model_len a sequence may finish inside the measurement: a new one takes its lane

@@ -6,10 +6,10 @@ preempting the most recently admitted sequences while pages run short; admits wa
 come, first served) into free slots when their prompt's pages are free; and spends the prefill budget
 on prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per step, beside the
 round (the round does not draw on it: under load a speculative round is lanes x width rows, and taking
-those from the prompts' share would leave free slots waiting on prefill); `idle_prefill_tokens` when nothing
-decodes (a prompt arriving at an idle engine stalls no stream, and larger chunks prefill it faster). A preempted sequence gives back its slot and pages and waits at
-the head of the queue; when readmitted, its prompt and generated tokens are prefilled again (nothing
-is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
+those from the prompts' share would leave free slots waiting on prefill); `idle_prefill_tokens` when
+nothing decodes (a prompt arriving at an idle engine stalls no stream, and larger chunks prefill it
+faster). A preempted sequence gives back its slot and pages and waits at the head of the queue; when
+readmitted, its prompt and generated tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
 
 from __future__ import annotations

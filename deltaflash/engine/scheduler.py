@@ -3,13 +3,14 @@
 Each step it retires cancelled requests; gives every decoding sequence one lane of the round with a
 width (the rows it verifies, 1 + its drafts; 1 = plain decoding) and the pages those rows need,
 preempting the most recently admitted sequences while pages run short; admits waiting sequences (first
-come, first served) into free slots when their prompt's pages are free; and spends the prefill budget
-on prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per step, beside the
-round (the round does not draw on it: under load a speculative round is lanes x width rows, and taking
-those from the prompts' share would leave free slots waiting on prefill); `idle_prefill_tokens` when
-nothing decodes (a prompt arriving at an idle engine stalls no stream, and larger chunks prefill it
-faster). A preempted sequence gives back its slot and pages and waits at the head of the queue; when
-readmitted, its prompt and generated tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
+come, first served) into free slots when their prompt's pages are free; and spends the prefill budget on
+prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per step, beside the round
+(the round does not draw on it: under load a speculative round is lanes x width rows, and taking those
+from the prompts' share would leave free slots waiting on prefill); `idle_prefill_tokens` when nothing
+decodes (a prompt arriving at an idle engine stalls no stream, and larger chunks prefill it faster). A
+preempted sequence gives back its slot and pages and waits at the head of the queue; when readmitted,
+its prompt and generated tokens are prefilled again (nothing is emitted twice). The runner executes the
+resulting `StepPlan`; the engine applies the results.
 """
 
 from __future__ import annotations

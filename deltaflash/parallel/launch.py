@@ -3,11 +3,12 @@
 
 Every rank builds the whole engine over its share of the target (parallel/tensor.py) and a whole copy of
 the drafter, and takes the same requests in the same order: scheduling is a deterministic function of
-the requests and of what the rounds accepted, and every rank reads the same accepted tokens (the
-logits, all-gathered from the vocabulary's shares, are the same bits on every rank), so the ranks'
-schedulers stay in step with no traffic beyond the model's collectives. What could part them is made
-common at start: the page pool (the smallest any rank can hold), the seeds of unseeded requests (one generator, seeded from rank 0),
-and widths chosen from timings (load-adaptive speculation is refused; rounds take the block).
+the requests and of what the rounds accepted, and every rank reads the same accepted tokens (the logits,
+all-gathered from the vocabulary's shares, are the same bits on every rank), so the ranks' schedulers
+stay in step with no traffic beyond the model's collectives. What could part them is made common at
+start: the page pool (the smallest any rank can hold), the seeds of unseeded requests (one generator,
+seeded from rank 0), and widths chosen from timings (load-adaptive speculation is refused; rounds take
+the block).
 """
 
 from __future__ import annotations

@@ -244,8 +244,9 @@ def test_vocab_shares_look_up_and_project_what_the_whole_tables_do():
                for r, x in enumerate(lookups))  # each id looked up by one rank only
     gathered = torch.cat([s.head_weight @ hidden[..., None] for s in shares], dim=-2).squeeze(-1)
     torch.testing.assert_close(gathered, whole.project(hidden))
-    joined = Vocab(shares[1].embed_weight, shares[1].head_weight, V, rows,
-                   gather=lambda t: torch.cat([hidden @ s.head_weight.T for s in shares], dim=-1))
+    joined = Vocab(shares[1].embed_weight, shares[1].head_weight, V, rows,  # rank 1's own logits in the middle
+                   gather=lambda t: torch.cat([t if r == 1 else hidden @ s.head_weight.T for r, s in enumerate(shares)],
+                                              dim=-1))
     torch.testing.assert_close(joined.project(hidden), whole.project(hidden))
 
 

@@ -124,8 +124,9 @@ def prefill_flops(cfg, tokens: int, read_bytes: int) -> float:
 
 
 def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
-    """Time to first token of one prompt per length: our engine at the serve defaults (one slot; a prompt
-    at an idle engine goes in chunks of the idle budget, graphs where a chunk fits one), the same in
+    """Time to first token of one prompt per length: our engine (one slot, max_model_len the longest
+    prompt's, the serve defaults' step and idle budgets: a prompt at an idle engine goes in chunks of the
+    idle budget, graphs where a chunk fits one), the same in
     chunks of the step budget (what a prompt arriving beside running streams gets), transformers' forward
     of the prompt (last row's logits, argmax), and the compute limit."""
     from deltaflash.engine.config import EngineConfig

@@ -14,6 +14,7 @@ from deltaflash.core.request import SamplingParams, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.engine import Engine
 from deltaflash.models.random_init import SHAPES, random_model, weight_bytes
+from deltaflash.parallel.tensor import connect, shard_config
 from deltaflash.speculative.sources import ScriptedSource
 
 
@@ -70,8 +71,6 @@ def run(args) -> dict | None:
 
 @torch.inference_mode()
 def _measure(tensor_parallel, args) -> dict | None:
-    from deltaflash.parallel.tensor import connect, shard_config
-
     cfg = SHAPES[args.shape](*([args.layers] if args.layers else []))
     size, rank = (tensor_parallel.size, tensor_parallel.rank) if tensor_parallel is not None else (1, 0)
     device = torch.device(args.device)  # (cuda: this rank's, set when the group formed)

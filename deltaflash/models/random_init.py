@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -62,27 +63,17 @@ def qwen35_9b_config(num_layers: int = 32) -> ModelConfig:
 
 
 def qwen35_27b_config(num_layers: int = 64) -> ModelConfig:
-    """The Qwen3.5-27B text stack's shapes (the most used DFlash target)."""
-    return ModelConfig(
-        model_type="qwen3_5_text", hidden_size=5120, vocab_size=248320,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
-        rms_norm_eps=1e-6, tie_word_embeddings=False, num_heads=24, num_kv_heads=4, head_dim=256,
-        rotary_dim=64, rope_theta=1e7, attention_bias=False, linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, conv_kernel=4, intermediate_size=17408,
-        max_position_embeddings=262144,
-    )
+    """The Qwen3.5-27B text stack's shapes (the most used DFlash target): the 9B's layer kinds, wider."""
+    return dataclasses.replace(qwen35_9b_config(num_layers), hidden_size=5120, num_heads=24,
+                               linear_num_value_heads=48, intermediate_size=17408)
 
 
 def toy_config(num_layers: int = 4) -> ModelConfig:
-    """A few-MB model of the same kinds of layers, to try a benchmark's script on the CPU."""
-    return ModelConfig(
-        model_type="qwen3_5_text", hidden_size=128, vocab_size=512,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
-        rms_norm_eps=1e-6, tie_word_embeddings=False, num_heads=4, num_kv_heads=2, head_dim=32,
-        rotary_dim=16, rope_theta=1e7, attention_bias=False, linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=32, linear_value_head_dim=32, conv_kernel=4, intermediate_size=256,
-        max_position_embeddings=4096,
-    )
+    """A few-MB model of the 9B's layer kinds, to try a benchmark's script on the CPU."""
+    return dataclasses.replace(qwen35_9b_config(num_layers), hidden_size=128, vocab_size=512, num_heads=4,
+                               num_kv_heads=2, head_dim=32, rotary_dim=16, linear_num_key_heads=4,
+                               linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                               intermediate_size=256, max_position_embeddings=4096)
 
 
 SHAPES = {"9b": qwen35_9b_config, "27b": qwen35_27b_config, "toy": toy_config}  # name -> config(num_layers)

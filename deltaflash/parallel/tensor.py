@@ -10,7 +10,7 @@ rank routes every token alike and holds an equal share of each expert's weights 
 so no rank waits on a popular expert and no tokens move between ranks; the router is replicated) - and
 of the vocabulary: the embedding's and the lm_head's rows (models/vocab.py: a lookup's shares are
 all-reduced, the logits' all-gathered, so every rank holds the whole logits and samples alike; the
-lm_head is the largest single matrix of a 9B model, 1 GB of its 18). The residual stream and the
+lm_head is the largest single matrix of a 9B model, 2 GB of its 18). The residual stream and the
 norms are replicated. The products that leave a layer (attention's o_proj, GDN's out_proj, the MLP's
 down_proj) hold one share of the sum each: the model adds them over the ranks with one all-reduce per
 layer output (`Qwen35Model.reduce`), so every rank sees the whole residual stream and the same logits.

@@ -202,6 +202,47 @@ def test_a_round_reads_the_device_once(pairs, name, tree_budget, monkeypatch):
         assert len(events) == 3 and counter.calls == ["tolist"]
 
 
+def test_overlap_work_runs_between_the_launch_and_the_read(pairs, monkeypatch):
+    """`step(overlap=...)` runs the caller's host work once per step while the device computes: after
+    the step's device work is launched (the round's results exist on the device) and before their one
+    read (nothing of the step applied yet). A request added there joins from the next step on; a step
+    that runs nothing on the device runs it too; outputs are those of plain steps."""
+    target_dir, draft_dir = pairs["dflash"]
+    plist = prompts(96, [5, 9, 13], seed=2)
+    expected = [c.token_ids for c in engine_for(target_dir, draft_dir).generate(plist, GREEDY)[0]]
+    engine = engine_for(target_dir, draft_dir)
+    ids = [engine.add_request(p, GREEDY) for p in plist[:2]]
+    out = {i: [] for i in ids}
+    seen = []  # per step: (reads of the device before the overlap, tokens generated so far, the engine's rounds)
+
+    def overlap():
+        seen.append((list(counter.calls), engine.stats["generated_tokens"], engine.stats["decode_rounds"]))
+        if len(seen) == 3:  # mid-stream: the third request arrives
+            ids.append(engine.add_request(plist[2], GREEDY))
+            out[ids[-1]] = []
+
+    steps = 0
+    while engine.has_work():
+        before = (engine.stats["generated_tokens"], engine.stats["decode_rounds"])
+        counter = SyncCounter(monkeypatch)
+        for ev in engine.step(overlap=overlap):
+            out[ev.request_id] += ev.token_ids
+        monkeypatch.undo()
+        steps += 1
+        assert len(seen) == steps  # once per step
+        reads, generated, rounds = seen[-1]
+        assert reads == [] and (generated, rounds) == before  # launched, not read, nothing applied
+        if steps == 3:  # the request added in this step's overlap was not in its plan: it waits
+            assert [s.request_id for s in engine.scheduler.waiting] == [ids[-1]]
+    assert [out[i] for i in ids] == expected
+    # a step that runs nothing on the device (only a cancellation) runs the overlap too
+    rid = engine.add_request(plist[0], GREEDY)
+    engine.abort(rid)
+    calls = []
+    events = engine.step(overlap=lambda: calls.append(1))
+    assert calls == [1] and [(e.request_id, e.finish_reason) for e in events] == [(rid, "cancelled")]
+
+
 # ---- cancellation at every stage ------------------------------------------------------------------
 @pytest.mark.parametrize("stage", ["waiting", "prefilling", "speculating"])
 def test_abort_at_every_stage_frees_everything_and_spares_the_others(pairs, stage):

@@ -222,3 +222,25 @@ def test_drafter_tree_graphs_are_lossless_and_build_the_eager_trees(tmp_path):
         eager = source._build(hidden, logits, slot_ids, anchors, 8, 3)
     for name in ("tokens", "parents", "depth", "rank", "order"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
+def test_the_devices_wait_for_the_host_is_measured_between_busy_steps(folder):
+    """IdleClock: each step that follows a busy one reports how long the device waited for the host
+    (a host pause between two steps shows in full); the first step after the engine ran dry reports none."""
+    import time
+
+    model = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
+    engine = Engine(model, config=EngineConfig(max_slots=2, max_model_len=128))
+    reports = []
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while engine.has_work():
+        engine.step(reports.append)
+    assert reports[0].device_idle_s is None and len(reports) > 2
+    assert all(r.device_idle_s is not None and r.device_idle_s >= 0 for r in reports[1:])
+    engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step(reports.append)
+    assert reports[-1].device_idle_s is None  # the engine had nothing to do before it
+    engine.step(reports.append)
+    time.sleep(0.05)
+    engine.step(reports.append)
+    assert reports[-1].device_idle_s >= 0.04

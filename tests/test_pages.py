@@ -189,7 +189,7 @@ def test_every_row_a_round_writes_lands_in_its_own_pages(pair):
     engine = engine_for(pair[0], draft_source=source, max_slots=2, max_model_len=64, page_size=2)
     execute, checked = engine.runner.execute, []
 
-    def checking(plan):
+    def checking(plan, *args, **kwargs):
         engine.runner.map_pages(plan)
         tables, pages = engine.pool.tables.tables.cpu(), engine.scheduler.pages
         for slot in range(engine.config.max_slots):
@@ -200,7 +200,7 @@ def test_every_row_a_round_writes_lands_in_its_own_pages(pair):
         for seq in plan.decode:
             assert len(pages.held[seq.slot]) * 2 >= seq.position + reach
         checked.append(len(plan.decode))
-        return execute(plan)
+        return execute(plan, *args, **kwargs)
 
     engine.runner.execute = checking
     done, _ = engine.generate(batch, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news])

@@ -124,10 +124,10 @@ def test_the_warm_requests_run_every_width_in_use(pair, monkeypatch):
     assert engine.config.widths == (1, 2, 4, 8)
     execute, widths = engine.runner.execute, set()
 
-    def recording(plan):
+    def recording(plan, *args, **kwargs):
         if plan.decode:
             widths.add(plan.round_width)
-        return execute(plan)
+        return execute(plan, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "execute", recording)
     policy = engine.scheduler.policy

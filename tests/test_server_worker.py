@@ -106,6 +106,85 @@ def test_stop_string_cuts_text_and_frees_the_slot(folder):
     assert engine.num_live == 0
 
 
+def stop_string_of(folder, engine, prompt, n):
+    """Three characters from inside the greedy text of `prompt` (n tokens): a stop string it meets."""
+    text = engine.tokenizer.decode(solo(folder, prompt, n))
+    start = next(i for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    return text[start:start + 3]
+
+
+def test_tokens_reach_clients_while_the_device_runs_the_next_step(folder):
+    """With overlap_host (the default) a step's events are routed - detokenised, stop strings checked,
+    sent - inside the next engine step, while the device computes it; without it, between steps. The
+    clients get the same text, tokens and finish reasons either way, a stop string's included."""
+    got, inside = {}, {}
+    for overlap in (True, False):
+        engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
+        stop = stop_string_of(folder, engine, [9, 8, 7], 30)
+        stepping, delivered = [False], []
+        real_step = engine.step
+
+        def step(*args, real_step=real_step, stepping=stepping, **kwargs):
+            stepping[0] = True
+            try:
+                return real_step(*args, **kwargs)
+            finally:
+                stepping[0] = False
+
+        engine.step = step
+        log = Log()
+
+        def sink(rid, log=log, stepping=stepping, delivered=delivered):
+            put = log.sink(rid)
+
+            def record(out):
+                delivered.append(stepping[0])
+                put(out)
+            return record
+
+        worker = EngineWorker(engine, WorkerConfig(overlap_host=overlap), Metrics())
+        jobs = [Job("a", (9, 8, 7), SamplingParams(max_new_tokens=30, ignore_eos=True), (stop,), sink("a")),
+                Job("b", (1, 2, 3), SamplingParams(max_new_tokens=30, ignore_eos=True), (), sink("b")),
+                Job("c", (4, 5), SamplingParams(max_new_tokens=12, ignore_eos=True), (), sink("c"))]
+        worker.submit(*jobs)  # before the thread starts: its first step takes all three
+        worker.start()
+        got[overlap] = {rid: ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason)
+                        for rid in "abc" for outs in [log.wait(rid)]}
+        worker.close()
+        assert engine.num_live == 0
+        inside[overlap] = delivered
+    assert got[True] == got[False]
+    assert got[True]["a"][2] == "stop" and got[True]["b"][2] == got[True]["c"][2] == "length"
+    assert not any(inside[False])
+    # with the overlap only the outputs of the last step before the engine ran dry are routed outside a step
+    assert len(inside[True]) - sum(inside[True]) <= 3 < sum(inside[True])
+
+
+def test_the_devices_wait_is_a_metric_where_it_was_measured(folder):
+    """On the CPU nothing is measured (its kernels run on the host): no step reports a wait. A step that
+    reports one is observed; bench serve reads the sum and count back from the page."""
+    from deltaflash.bench.serve import device_idle, scrape
+    from deltaflash.core.request import StepReport
+
+    engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
+    reports = []
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    while engine.has_work():
+        engine.step(reports.append)
+    assert len(reports) > 2 and all(r.device_idle_s is None for r in reports)
+    metrics = Metrics()
+    before = scrape(metrics.render().decode())
+    for r in reports:
+        metrics.observe_step(r)
+    metrics.observe_step(StepReport(0, 0, 0.0, 1, 0.001, device_idle_s=2e-4))
+    metrics.observe_step(StepReport(0, 0, 0.0, 1, 0.001, device_idle_s=6e-4))
+    after = scrape(metrics.render().decode())
+    idle = device_idle(before, after, wall=0.01)
+    assert idle["device_idle_s"] == pytest.approx(8e-4) and idle["device_idle_share"] == pytest.approx(0.08)
+    assert idle["device_idle_per_step_us"] == pytest.approx(400)
+    assert device_idle(before, before, wall=1.0)["device_idle_share"] is None
+
+
 def test_stop_string_and_cancels_in_the_same_step(folder):
     """Step n: request a's text hits its stop string (answered "stop" at once, its slot freed a step
     later) while b streams. Before step n+1 both clients cancel: a stays "stop" (one final output),
@@ -113,9 +192,7 @@ def test_stop_string_and_cancels_in_the_same_step(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=2, max_model_len=256)
     metrics, log = Metrics(), Log()
     worker = EngineWorker(engine, WorkerConfig(), metrics)  # driven step by step here, no thread
-    text = engine.tokenizer.decode(solo(folder, [9, 8, 7], 30))
-    start = next(i for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
-    worker.submit(job("a", [9, 8, 7], log, 30, stop=(text[start:start + 3],)))
+    worker.submit(job("a", [9, 8, 7], log, 30, stop=(stop_string_of(folder, engine, [9, 8, 7], 30),)))
     worker.submit(job("b", [1, 2, 3], log, 30))
 
     def iterate():
@@ -140,7 +217,7 @@ def test_stop_string_and_cancels_in_the_same_step(folder):
 def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
 
-    def broken_step(on_report=None):
+    def broken_step(on_report=None, overlap=None):
         raise RuntimeError("device lost")
 
     engine.step = broken_step

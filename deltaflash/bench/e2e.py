@@ -40,17 +40,19 @@ PHASES = ("prefill", "draft", "verify", "accept", "commit", "host")
 
 @dataclass
 class Workload:
-    """Engines and prompts of one workload. `engine(mode, profile)` builds an engine sharing the
-    loaded weights; `weight_read_s` (scripted only) is one forward's weight bytes / copy bandwidth."""
+    """Engines and prompts of one workload. `engine(mode, profile, utilization)` builds an engine sharing
+    the loaded weights, its page pool sized to `utilization` of the device (None: the serve default);
+    `weight_read_s` (scripted only) is one forward's weight bytes / copy bandwidth."""
 
     name: str
     label: str
     prompts: list[list[int]]
     params: SamplingParams
-    engine: object  # (mode: str, profile: bool) -> Engine
+    engine: object  # (mode: str, profile: bool, utilization: float | None) -> Engine
     block_size: int
     weight_read_s: float | None = None
     meta: dict = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
 
 
 @dataclass
@@ -86,17 +88,19 @@ def _demo_workload(args, max_slots: int) -> Workload:
                           tree_top_k=args.tree_top_k, speculation=args.speculation, batch_invariant=args.batch_invariant,
                           max_model_len=args.max_model_len)  # the serve defaults otherwise
 
-    def engine(mode: str, profile: bool = False) -> Engine:
+    def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
         spec = mode == "spec"
         engine_cfg = dataclasses.replace(config, sync_phase_timing=profile, block_size=config.block_size * spec,
-                                         tree_budget=config.tree_budget * spec)
+                                         tree_budget=config.tree_budget * spec,
+                                         gpu_memory_utilization=utilization or config.gpu_memory_utilization)
         return Engine(model, tokenizer, drafter if mode == "spec" else None, engine_cfg)
 
     return Workload("demo", f"demo pair ({target.name} + {draft.name}), held-out stdlib prompts", prompts,
                     SamplingParams(max_new_tokens=args.max_new_tokens), engine,
                     args.block_size or drafter.config.block_size,
                     meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation})
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation},
+                    device=device)
 
 
 def _scripted_workload(args, max_slots: int) -> Workload:
@@ -121,14 +125,18 @@ def _scripted_workload(args, max_slots: int) -> Workload:
                                       speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
     # the script: the target's own greedy continuation of every prompt, recorded before any timing
-    done, _ = Engine(model, None, None, config).generate(prompts, params)
+    recorder = Engine(model, None, None, config)
+    done, _ = recorder.generate(prompts, params)
     scripts = {tuple(c.prompt_ids): c.token_ids for c in done}
+    del recorder  # its page pool goes back before the measured engines size theirs
 
-    def engine(mode: str, profile: bool = False) -> Engine:
-        engine_cfg = dataclasses.replace(config, sync_phase_timing=profile)
+    def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
+        engine_cfg = dataclasses.replace(config, sync_phase_timing=profile,
+                                         gpu_memory_utilization=utilization or config.gpu_memory_utilization)
         if mode != "spec":
             return Engine(model, None, None, engine_cfg)
-        return Engine(model, None, None, dataclasses.replace(spec_config, sync_phase_timing=profile),
+        return Engine(model, None, None, dataclasses.replace(spec_config, sync_phase_timing=engine_cfg.sync_phase_timing,
+                                                             gpu_memory_utilization=engine_cfg.gpu_memory_utilization),
                       draft_source=ScriptedSource(scripts, W, cfg.vocab_size, corrupt, args.seed))
 
     _, read_bytes = weight_bytes(model)
@@ -138,7 +146,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
                     meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
                           "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation,
-                          "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth})
+                          "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth}, device=device)
 
 
 def expected_tau(corrupt: float, block_size: int) -> float:
@@ -204,6 +212,9 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     out |= latency_summary([(t.event_times[0] - t.submit, t.event_times[-1] - t.submit,
                              list(zip(t.event_times, t.event_tokens)), len(t.token_ids)) for t in traces if t.event_times])
     out |= {"mean_accepted_length": sum(accepted) / len(accepted) if accepted else None, "rounds": len(accepted)}
+    idle = [r.device_idle_s for _, r in steps if r.device_idle_s is not None]  # CUDA: the device's waits for the host
+    out |= {"device_idle_s": sum(idle) if idle else None, "device_idle_share": sum(idle) / wall if idle else None,
+            "device_idle_per_step_us": sum(idle) / len(idle) * 1e6 if idle else None}
     return out
 
 
@@ -225,11 +236,29 @@ def phase_shares(steps: list) -> dict:
 
 
 # ---- the sweep ------------------------------------------------------------------------------
+def build_engines(workload: Workload, profile: bool) -> tuple[dict, dict]:
+    """The sweep's engines by mode, and their profiling twins (`profile`), built one after another in
+    this process. Each sizes its page pool from the device memory in use when it is built, so on CUDA
+    each is given an equal part of what the weights and the engines before it leave below the serve
+    default (0.9 of the device): the first would otherwise take all of it."""
+    wanted = [(mode, False) for mode in MODES] + ([(mode, True) for mode in MODES] if profile else [])
+    target = EngineConfig().gpu_memory_utilization
+    built = {}
+    for i, (mode, prof) in enumerate(wanted):
+        utilization = None
+        if torch.cuda.is_available() and workload.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks freed by earlier probes or engines are not in use
+            free, total = torch.cuda.mem_get_info(workload.device)
+            used = 1 - free / total
+            utilization = used + max(target - used, 0.0) / (len(wanted) - i)
+        built[mode, prof] = workload.engine(mode, prof, utilization)
+    return ({m: built[m, False] for m in MODES}, {m: built[m, True] for m in MODES} if profile else {})
+
+
 def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, bar=None) -> dict:
     """Every (concurrency, mode) point of one workload; spec outputs checked against target-only."""
     points, outputs = [], {}
-    engines = {mode: workload.engine(mode) for mode in MODES}
-    profilers = {mode: workload.engine(mode, True) for mode in MODES} if profile else {}
+    engines, profilers = build_engines(workload, profile)
     for c in concurrencies:
         requests = max(len(workload.prompts), c)
         for mode in MODES:

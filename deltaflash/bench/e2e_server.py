@@ -8,13 +8,12 @@ second server on the same target without a drafter) is measured in the same run 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from pathlib import Path
 
 from deltaflash.bench.common import machine, write_json
 from deltaflash.bench.e2e_stats import compare, latency_summary, report
-from deltaflash.bench.serve import Trace, _stream
+from deltaflash.bench.serve import Trace, _stream, device_idle, scrape
 from deltaflash.bundled import BUNDLED
 
 
@@ -67,7 +66,7 @@ async def _point(args, url: str, prompts: list[list[int]], concurrency: int) -> 
         traces = [Trace(i % len(prompts), None) for i in range(requests)]
         starts = [0.0] * requests
         pending = iter(range(requests))
-        before = _scrape((await http.get("/metrics")).text)
+        before = scrape((await http.get("/metrics")).text)
 
         async def client():
             for i in pending:
@@ -77,7 +76,7 @@ async def _point(args, url: str, prompts: list[list[int]], concurrency: int) -> 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-        after = _scrape((await http.get("/metrics")).text)
+        after = scrape((await http.get("/metrics")).text)
     errors = [t.error for t in traces if t.error]
     if errors:
         raise SystemExit(f"{url}: {len(errors)} requests failed, first: {errors[0]}")
@@ -90,20 +89,6 @@ async def _point(args, url: str, prompts: list[list[int]], concurrency: int) -> 
     point |= latency_summary([(t.chunk_times[0], t.chunk_times[-1], list(zip(t.chunk_times, t.chunk_tokens)),
                                len(t.token_ids)) for t in traces if t.chunk_times])
     point |= {"mean_accepted_length": delta["accepted_sum"] / rounds if rounds else None, "rounds": int(rounds),
-              "accepted_lengths": [], "server_phase_seconds": phase}
+              "accepted_lengths": [], "server_phase_seconds": phase} | device_idle(before, after, wall)
     return point, [t.token_ids for t in traces]
 
-
-_METRICS = {"accepted_sum": r"^deltaflash_accepted_length_sum (\S+)", "accepted_count": r"^deltaflash_accepted_length_count (\S+)",
-            "phase_prefill": r'^deltaflash_round_phase_seconds_sum\{phase="prefill"\} (\S+)',
-            "phase_decode": r'^deltaflash_round_phase_seconds_sum\{phase="decode"\} (\S+)'}
-
-
-def _scrape(text: str) -> dict:
-    """The counters this bench reads from a Prometheus text page (absent ones are left out)."""
-    found = {}
-    for key, pattern in _METRICS.items():
-        m = re.search(pattern, text, re.MULTILINE)
-        if m:
-            found[key] = float(m.group(1))
-    return found

@@ -68,7 +68,7 @@ def explain(points: list[dict], engine, prompts: list[list[int]], outputs: list[
 TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
               "mean_accepted_length", "ttft_p50_ms",
               "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences", "near_tie_sequences",
-              "kernel_loads")
+              "kernel_loads", "device_idle_share")
 
 
 def report(result: dict) -> None:

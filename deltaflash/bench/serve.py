@@ -3,7 +3,8 @@
 C concurrent streaming clients send R greedy completions (random token-id prompts drawn from a small
 set); a fraction disconnect at a random point. Reports requests/s, time to first token and
 inter-token latency percentiles and errors, and checks every completed output against the same
-prompt served alone. Starts its own `deltaflash serve` on 127.0.0.1 unless --url is given.
+prompt served alone, and (CUDA) how long the device waited for the host during the load (the server's
+deltaflash_device_idle_seconds). Starts its own `deltaflash serve` on 127.0.0.1 unless --url is given.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def register(sub) -> None:
     p.add_argument("--distinct-prompts", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    p.add_argument("--no-host-overlap", action="store_true",
+                   help="the started server routes tokens after each step, not during the next (before / after)")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=run)
 
@@ -69,7 +72,7 @@ def run(args) -> int:
     result["machine"] = machine()
     row = {k: result[k] for k in ("requests", "completed", "disconnected", "errors", "mismatches", "requests_per_s",
                                   "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms",
-                                  "itl_p90_ms", "itl_p99_ms")}
+                                  "itl_p90_ms", "itl_p99_ms", "device_idle_share", "device_idle_per_step_us")}
     print_table(f"deltaflash serve: {args.clients} streaming clients, {args.disconnect_fraction:.0%} disconnecting", [row])
     for problem in result["problems"][:10]:
         print("  problem:", problem)
@@ -106,11 +109,40 @@ async def _bench(args, url: str) -> dict:
             for trace in pending:
                 await _stream(http, body | {"prompt": prompts[trace.prompt_index], "stream": True}, trace)
 
+        before = scrape((await http.get("/metrics")).text)
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(args.clients)))
         wall = time.perf_counter() - t0
         idle = await _wait_idle(http)
-    return _summarize(traces, solo, wall, idle, args)
+        after = scrape((await http.get("/metrics")).text)
+    return _summarize(traces, solo, wall, idle, args) | device_idle(before, after, wall)
+
+
+METRICS = {"accepted_sum": r"^deltaflash_accepted_length_sum (\S+)",
+           "accepted_count": r"^deltaflash_accepted_length_count (\S+)",
+           "phase_prefill": r'^deltaflash_round_phase_seconds_sum\{phase="prefill"\} (\S+)',
+           "phase_decode": r'^deltaflash_round_phase_seconds_sum\{phase="decode"\} (\S+)',
+           "idle_sum": r"^deltaflash_device_idle_seconds_sum (\S+)",
+           "idle_count": r"^deltaflash_device_idle_seconds_count (\S+)"}
+
+
+def scrape(text: str) -> dict:
+    """The server metrics the benches read (METRICS) from a Prometheus text page (absent ones left out)."""
+    found = {}
+    for key, pattern in METRICS.items():
+        m = re.search(pattern, text, re.MULTILINE)
+        if m:
+            found[key] = float(m.group(1))
+    return found
+
+
+def device_idle(before: dict, after: dict, wall: float) -> dict:
+    """How long the device waited for the host between `before` and `after` (two scrapes), in all, as a
+    share of `wall` seconds and per step; None where the server measured nothing (not on CUDA)."""
+    waited = after.get("idle_sum", 0.0) - before.get("idle_sum", 0.0)
+    steps = after.get("idle_count", 0.0) - before.get("idle_count", 0.0)
+    return {"device_idle_s": waited if steps else None, "device_idle_share": waited / wall if steps else None,
+            "device_idle_per_step_us": waited / steps * 1e6 if steps else None}
 
 
 async def _stream(http, body: dict, trace: Trace) -> None:
@@ -195,6 +227,8 @@ def _start_server(args):
                         ("--kv-cache-memory", args.kv_cache_memory)):
         if value is not None:
             cmd += [flag, str(value)]
+    if args.no_host_overlap:
+        cmd.append("--no-host-overlap")
     log = tempfile.NamedTemporaryFile("w+", prefix="deltaflash-bench-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

@@ -211,6 +211,7 @@ class StepReport:
     pages_total: int = 0
     admitted_ids: tuple[str, ...] = ()  # request ids admitted this step (readmissions after a preemption too)
     prefill_graphed: bool = False  # its prefill replayed a prefill CUDA graph (else it ran eagerly)
+    device_idle_s: float | None = None  # CUDA: the device's wait for the host since the previous step (None: not measured)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class Engine:
                         resolved.max_model_len, self.config.max_model_len)
         log.info(self.runner.page_plan.describe(self.config.max_model_len, self.config.block_size))
         self.scheduler = Scheduler(self.config, self.runner.page_plan.num_pages)
+        self._busy = False  # the engine had work when its last step ended (the device's wait is then the host's doing)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
         if self.config.adaptive:  # after capture: the calibration times what rounds will replay
@@ -184,24 +185,32 @@ class Engine:
         uses the moment: parallel/launch.py, MirroredEngine)."""
 
     # ---- the step -------------------------------------------------------------------------
-    def step(self, on_report: Callable[[StepReport], None] | None = None) -> list[StepEvent]:
+    def step(self, on_report: Callable[[StepReport], None] | None = None,
+             overlap: Callable[[], None] | None = None) -> list[StepEvent]:
         """One step: what the scheduler planned, run by the runner; `on_report` (optional) receives
-        what it did, for metrics."""
+        what it did, for metrics. `overlap` (optional) runs once while the device computes the step
+        (after its launch, before its results are read; at once when the step runs nothing on the
+        device): host work that needs nothing from this step, such as finishing the previous step's
+        events. It may add and abort requests: they count from the next step on."""
         plan = self.scheduler.schedule()
         events = [StepEvent(seq.request_id, (), "cancelled") for seq in plan.cancelled]
         self.stats["preemptions"] += len(plan.preempted)
         if not plan.runs_anything:
             self.runner.map_pages(plan)
+            if overlap is not None:
+                overlap()
+            self._busy = self.has_work()
             return events
-        result = self.runner.execute(plan)
+        result = self.runner.execute(plan, overlap, follows=self._busy)
         self._apply(plan, result, events)
+        self._busy = self.has_work()
         if on_report is not None:
             speculated = tuple(n + 1 for n, w in zip(result.round.accepted, plan.widths) if w > 1)
             used, total = self.page_usage
             on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
                                  len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted),
-                                 result.prefill_graphed))
+                                 result.prefill_graphed, result.device_idle_s))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:

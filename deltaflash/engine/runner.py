@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ class StepResult:
     decode_s: float = 0.0
     phases: RoundPhases = RoundPhases()
     prefill_graphed: bool = False  # the step's prefill replayed a prefill graph
+    device_idle_s: float | None = None  # the device's wait for this step since the previous one (IdleClock)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,42 @@ class _Round:
     out: VerifyOutput
     accepted: Accepted
     tree: DraftTree | None = None
+
+
+class IdleClock:
+    """How long the device waits for the host between two steps (CUDA; None elsewhere). A timing event
+    is recorded before a step's first device work and one after its last. The device reaches the first
+    once it has finished what came before and the host has launched it, so the time from the previous
+    step's last event to this step's first is time the device sat idle, waiting for the host. Both have
+    completed by the step's one read of its results, which is when `idle_s` is asked."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._begin = self._end = None
+
+    def begin(self, follows: bool) -> None:
+        """Before a step's first device work. `follows`: the engine had work from the end of the
+        previous step on (else the device waited for requests, not for the host: nothing to count)."""
+        if self._cuda:
+            self._begin = self._record()
+            if not follows:
+                self._end = None
+
+    def idle_s(self) -> float | None:
+        if self._begin is None or self._end is None:
+            return None
+        return self._end.elapsed_time(self._begin) / 1e3
+
+    def end(self) -> None:
+        """After a step's last device work."""
+        if self._cuda:
+            self._end = self._record()
+
+    @staticmethod
+    def _record():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 class ModelRunner:
@@ -121,6 +159,7 @@ class ModelRunner:
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
+        self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------
     def _plan_pages(self, config: EngineConfig, drafter) -> PagePlan:
@@ -243,7 +282,12 @@ class ModelRunner:
         self.pool.tables.map(plan.pages)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, overlap: Callable[[], None] | None = None, follows: bool = False) -> StepResult:
+        """Run the plan. `overlap` (optional) runs once, after the step's device work up to acceptance is
+        launched and before the host reads its results: host work that needs no result of this step
+        runs while the device computes. `follows`: the engine had work since the previous step (the
+        device's wait between the two is measured: StepResult.device_idle_s)."""
+        self.idle_clock.begin(follows)
         self.map_pages(plan)
         for seq in plan.admitted:
             self.pool.reset(seq.slot)
@@ -255,16 +299,27 @@ class ModelRunner:
         round_, marks = None, []
         if plan.decode:
             round_, marks = self._round(plan)
+        overlap_s = 0.0
+        if overlap is not None:
+            ts = time.perf_counter()
+            overlap()
+            overlap_s = time.perf_counter() - ts
         extras = (round_.tree.parents,) if round_ is not None and round_.tree is not None else ()
         (first_out, round_out), parents = read_emitted([first, round_.accepted if round_ else None], extras)  # the one sync
+        idle = self.idle_clock.idle_s()
         if round_ is not None:
             marks.append(self._now())
             self._commit(plan, round_, round_out, parents[0] if parents else None)
             marks.append(self._now())
-        phases = RoundPhases(*(b - a for a, b in zip([clock, *marks], marks))) if round_ else RoundPhases()
+        self.idle_clock.end()
+        phases = RoundPhases()
+        if round_ is not None:  # the host's own time: the overlap work is the caller's (it fell in accept_s)
+            spans = [b - a for a, b in zip([clock, *marks], marks)]
+            spans[2] -= overlap_s
+            phases = RoundPhases(*spans)
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
-                          decode_s=time.perf_counter() - t1 if round_ else 0.0, phases=phases,
-                          prefill_graphed=graphed)
+                          decode_s=time.perf_counter() - t1 - overlap_s if round_ else 0.0, phases=phases,
+                          prefill_graphed=graphed, device_idle_s=idle)
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Accepted | None, bool]:
         """Run the chunks; returns (the first tokens [n, 1] of the chunks that complete their prompt, or

@@ -141,9 +141,11 @@ class MirroredEngine:
         self._engine.abort(request_id)
         self._pending.append(("abort", request_id))
 
-    def step(self, on_report=None):
+    def step(self, on_report=None, overlap=None):
+        """`overlap`'s add_request / abort calls reach the followers with the next step, as they count
+        from the next step on rank 0 too."""
         self._send(step=True)
-        return self._engine.step(on_report)
+        return self._engine.step(on_report, overlap)
 
     def idle(self) -> None:
         """Between waits for requests: what is pending goes out (the followers' collectives stay alive)."""

@@ -33,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--strict-fields", action="store_true",
                    help="reject request fields deltaflash does not know with HTTP 400 (default: ignore them, "
                         "logging each name once)")
+    p.add_argument("--no-host-overlap", action="store_true",
+                   help="route each step's tokens to the clients after the step instead of while the device runs "
+                        "the next one (for measuring what the overlap saves: deltaflash_device_idle_seconds)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 

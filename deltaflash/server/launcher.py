@@ -63,7 +63,8 @@ def _serve(args, sock, port: int, engine, t0: float) -> int:
     card = ModelCard(args.served_model_name or Path(args.model).resolve().name, engine.cfg.vocab_size,
                      engine.config.max_model_len, block, int(time.time()))
     metrics = Metrics(block)
-    worker = EngineWorker(engine, WorkerConfig(max_queue=args.max_queue, request_timeout_s=args.request_timeout),
+    worker = EngineWorker(engine, WorkerConfig(max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                                                overlap_host=not args.no_host_overlap),
                           metrics)
     started_s = time.perf_counter() - t0
 

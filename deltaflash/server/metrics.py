@@ -14,6 +14,7 @@ _PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_IDLE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 # outcomes of `deltaflash_requests_total`
@@ -59,6 +60,10 @@ class Metrics:
                                      registry=r)
         self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self.device_idle = Histogram("deltaflash_device_idle_seconds",
+                                     "Time the GPU waited for the host before a step, the engine busy since the "
+                                     "previous step (host work between two steps' device work; CUDA only)",
+                                     buckets=_IDLE_BUCKETS, registry=r)
         self.ttft = Histogram("deltaflash_time_to_first_token_seconds", "Submission to first generated token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.queue_time = Histogram("deltaflash_queue_time_seconds",
@@ -83,6 +88,8 @@ class Metrics:
             self.accepted_length.observe(n)
         for w in report.widths:
             self.lane_width.observe(w)
+        if report.device_idle_s is not None:
+            self.device_idle.observe(report.device_idle_s)
         if report.preempted:
             self.preemptions.inc(report.preempted)
         if report.pages_total:

@@ -1,9 +1,11 @@
 """The engine worker thread: the engine's only caller. Admission, rounds and retirement happen here.
 
 HTTP handlers talk to it through `submit` and `cancel` (a thread-safe inbox) and hear back through
-each job's `sink`. Between two engine steps (a round boundary) it takes new jobs, aborts cancelled
-and timed-out ones, and turns step events into text (`TextStream`, stop strings). It also times each
-request for the metrics: queue time, time to first token, time per output token, end to end.
+each job's `sink`. Between two engine steps (a round boundary) it takes new jobs and aborts cancelled
+and timed-out ones. It turns step events into text (`TextStream`, stop strings) while the device runs
+the next step (`WorkerConfig.overlap_host`): a step's tokens reach their clients after the next step
+is launched, and the device does not wait for detokenisation. It also times each request for the
+metrics: queue time, time to first token, time per output token, end to end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class WorkerConfig:
     max_queue: int = 64            # admitted requests beyond the slots, waiting for one
     request_timeout_s: float = 0   # 0: none; a request older than this is retired ("cancelled")
     idle_wait_s: float = 0.5       # how long an idle worker sleeps between inbox checks
+    overlap_host: bool = True      # route a step's events (and take new jobs) while the device runs the next step
 
 
 @dataclass(frozen=True)
@@ -168,10 +171,13 @@ class EngineWorker:
             self._fail_all(f"the engine worker failed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
+        finished: list[StepEvent] = []  # the last step's events, not routed yet (overlap_host)
         while True:
             self._take_inbox()
             self._expire()
             if not self._engine.has_work():
+                self._route_all(finished)
+                finished = []
                 self._engine.idle()
                 self._publish()
                 with self._lock:
@@ -180,9 +186,23 @@ class EngineWorker:
                 self._wake.wait(self.config.idle_wait_s)
                 self._wake.clear()
                 continue
-            for event in self._engine.step(on_report=functools.partial(self._observe, time.monotonic())):
-                self._route(event)
+            report = functools.partial(self._observe, time.monotonic())
+            if self.config.overlap_host:
+                previous = finished
+                finished = self._engine.step(on_report=report, overlap=lambda: self._while_device_runs(previous))
+            else:
+                self._route_all(self._engine.step(on_report=report))
             self._publish()
+
+    def _while_device_runs(self, events: list[StepEvent]) -> None:
+        """Host work during a step's device time: the previous step's events go to their clients, and jobs
+        posted meanwhile are admitted (they join the next step, as they would have from the loop)."""
+        self._route_all(events)
+        self._take_inbox()
+
+    def _route_all(self, events: list[StepEvent]) -> None:
+        for event in events:
+            self._route(event)
 
     def _inbox_items(self):
         """What handlers have posted so far (jobs and cancellations), without waiting."""

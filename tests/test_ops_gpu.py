@@ -161,6 +161,21 @@ def test_conv_tree_step_bitwise_equals_ref(ops, W, C, tree, dtype):
     assert torch.equal(out, out_ref), f"max diff {(out.float() - out_ref.float()).abs().max()}"
 
 
+@pytest.mark.parametrize("L,T,C,dtype", [(6, 2048, 8192, torch.bfloat16), (5, 77, 1000, torch.bfloat16),
+                                         (4, 33, 300, torch.float32)])
+def test_conv_extend_bitwise_equals_ref(ops, L, T, C, dtype):
+    """The prefill conv kernel and its torch route agree bit for bit (the README's arithmetic), at
+    every kind of lane: padding (0 rows), fewer rows than K-1, some, all."""
+    from deltaflash.ops.conv.extend import causal_conv_extend, causal_conv_extend_ref
+    from tests.test_ops_verify import make_extend
+
+    rows, history, weight, n_rows = (t.to(DEV) for t in make_extend(L, T, C, dtype, seed=T))
+    out, new = causal_conv_extend(rows, history, weight, n_rows)
+    out_ref, new_ref = causal_conv_extend_ref(rows, history, weight, n_rows)
+    assert torch.equal(new, new_ref)
+    assert torch.equal(out, out_ref), f"max diff {(out.float() - out_ref.float()).abs().max()}"
+
+
 def test_conv_commit_bitwise_equals_ref(ops):
     L, W, C = 4, 8, 1000
     c = make_conv(L, W, C, torch.bfloat16, seed=10)

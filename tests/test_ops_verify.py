@@ -434,6 +434,46 @@ def test_conv_tree_step_kernel_matches_ref(L, W, C, tree, dtype):
     torch.testing.assert_close(out, out_ref, **tol)
 
 
+def make_extend(L, T, C, dtype, seed=0):
+    """Prefill conv inputs: rows a strided column view of a wider projection; one lane of each kind
+    of n_rows - none (a padding lane), fewer than K-1, some, all T."""
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.randn(L, T, C + 8, generator=gen).to(dtype)
+    n_rows = torch.tensor([0, 2, T // 2 + 1, T, 1, T][:L])
+    return (big[..., 4:4 + C], torch.randn(L, C, K_CONV - 1, generator=gen).to(dtype),
+            torch.randn(C, K_CONV, generator=gen).to(dtype), n_rows)
+
+
+def test_conv_extend_ref_equals_the_sequential_conv_and_keeps_the_last_inputs():
+    """Row t's output: silu of taps over (history, rows) ending at t; new history: the K-1 inputs
+    ending at the lane's last valid row (history columns when it has fewer than K-1 rows)."""
+    from deltaflash.ops.conv.extend import causal_conv_extend_ref
+
+    rows, history, weight, n_rows = make_extend(4, 7, 12, torch.float32, seed=3)
+    out, new = causal_conv_extend_ref(rows, history, weight, n_rows)
+    for lane in range(4):
+        seq = torch.cat([history[lane].T, rows[lane]])  # [K-1+T, C] inputs in order
+        for t in range(7):
+            acc = sum(weight[:, j] * seq[t + j] for j in range(K_CONV))
+            torch.testing.assert_close(out[lane, t], F.silu(acc), rtol=1e-6, atol=1e-6)
+        n = int(n_rows[lane])
+        assert torch.equal(new[lane], seq[n:n + K_CONV - 1].T)
+
+
+@interpreted
+@pytest.mark.parametrize("L,T,C,dtype", [(4, 7, 24, torch.float32), (3, 40, 300, torch.float32),
+                                         (6, 33, 40, torch.float16)])
+def test_conv_extend_kernel_matches_ref(L, T, C, dtype):
+    from deltaflash.ops.conv.extend import causal_conv_extend, causal_conv_extend_ref
+
+    rows, history, weight, n_rows = make_extend(L, T, C, dtype, seed=T)
+    out, new = causal_conv_extend(rows, history, weight, n_rows)
+    out_ref, new_ref = causal_conv_extend_ref(rows, history, weight, n_rows)
+    assert torch.equal(new, new_ref)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out, out_ref, **tol)
+
+
 @interpreted
 def test_conv_commit_kernel_equals_ref_on_tree_paths():
     c = make_conv(L=4, W=6, C=40, seed=16)

@@ -239,8 +239,9 @@ def _start_server(args):
         if proc.poll() is not None:
             break
         time.sleep(0.1)
+    text = Path(log.name).read_text()  # before _stop_server removes the file
     _stop_server(proc, log)
-    raise RuntimeError(f"the server did not start; its log:\n{Path(log.name).read_text()}")
+    raise RuntimeError(f"the server did not start; its log:\n{text}")
 
 
 def _stop_server(proc, log) -> None:

@@ -10,7 +10,6 @@ from deltaflash.config import ModelConfig
 from deltaflash.core.batch import ExtendBatch, VerifyBatch
 from deltaflash.models.layers import GatedRMSNorm, MergedProjections
 from deltaflash.ops.kernels import Kernels
-from deltaflash.ops.conv.extend import causal_conv_extend
 from deltaflash.ops.gdn.chunk import (
     chunk_gated_delta_rule_padded,
     chunk_gated_delta_rule_varlen,
@@ -77,7 +76,7 @@ class GatedDeltaNet(MergedProjections):
 
         history = torch.zeros(L, *pool.conv_history.shape[2:], dtype=pool.conv_history.dtype, device=x.device)
         history[lane_idx] = pool.conv_history[slot_idx, g_i]
-        conv_out, new_history = causal_conv_extend(qkv, history, self.conv_weight, batch.n_rows)
+        conv_out, new_history = kernels.conv_extend(qkv, history, self.conv_weight, batch.n_rows)
         pool.conv_history[slot_idx, g_i] = new_history[lane_idx].to(pool.conv_history.dtype)
 
         q, k, v = self._split_qkv(conv_out)
@@ -105,7 +104,7 @@ class GatedDeltaNet(MergedProjections):
         live = (batch.slot_ids >= 0)[:, None, None]
         qkv, z, b, a = self.project(x)
         history = pool.conv_history[slots, g_i]
-        conv_out, new_history = causal_conv_extend(qkv, history, self.conv_weight, batch.n_rows)
+        conv_out, new_history = kernels.conv_extend(qkv, history, self.conv_weight, batch.n_rows)
         pool.conv_history[slots, g_i] = torch.where(live, new_history.to(history.dtype), history)
         q, k, v = self._split_qkv(conv_out)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)

@@ -1,7 +1,7 @@
 """The two implementations of every op the models run, as one frozen set each.
 
-- `triton`: the fused Triton kernels (verify route, replay / conv commit, norms, MoE experts, paged
-  attention). CUDA;
+- `triton`: the fused Triton kernels (verify route, replay / conv commit, prefill conv, norms, MoE
+  experts, paged attention). CUDA;
   on CPU they run only under TRITON_INTERPRET=1, in their tests.
 - `reference`: the unfused pure-torch route (ops/*/naive.py), op by op.
 
@@ -26,6 +26,7 @@ class Kernels:
     name: str
     zero_centered_rms_norm: Callable  # (x, weight, eps)
     gated_rms_norm: Callable          # (o, z, weight, eps)
+    conv_extend: Callable             # (rows, history, weight, n_rows) -> (out, new history): prefill
     conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
     gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
     replay_commit: Callable           # (recurrent_state, replay_log, plan)
@@ -63,6 +64,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 
 def reference_kernels() -> Kernels:
     from deltaflash.ops.attention.naive import paged_attention_ref
+    from deltaflash.ops.conv.extend import causal_conv_extend_ref
     from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
@@ -72,6 +74,7 @@ def reference_kernels() -> Kernels:
         name="reference",
         zero_centered_rms_norm=zero_centered_rms_norm_ref,
         gated_rms_norm=gated_rms_norm_ref,
+        conv_extend=causal_conv_extend_ref,
         conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
         gdn_verify=_writing_into(gdn_verify_ref, "out", "replay_log_out"),
         replay_commit=lambda state, log, plan: replay_lanes_ref(state, log, plan_lanes(plan)),
@@ -83,6 +86,7 @@ def reference_kernels() -> Kernels:
 
 def triton_kernels() -> Kernels:
     from deltaflash.ops.attention.paged import paged_attention
+    from deltaflash.ops.conv.extend import causal_conv_extend
     from deltaflash.ops.conv.tree_step import conv_tree_step
     from deltaflash.ops.gdn.commit import conv_commit, replay_commit
     from deltaflash.ops.gdn.verify import gdn_verify
@@ -99,6 +103,7 @@ def triton_kernels() -> Kernels:
         name="triton",
         zero_centered_rms_norm=zero_centered_rms_norm,
         gated_rms_norm=gated_rms_norm,
+        conv_extend=causal_conv_extend,
         conv_tree_step=conv_tree_step,
         gdn_verify=gdn_verify,
         replay_commit=replay,

@@ -1,24 +1,118 @@
-"""Depthwise causal conv + SiLU for prefill / decode rows that extend a sequence (state is written).
+"""Depthwise causal conv + SiLU for prefill rows that extend a sequence (the lanes' new history is
+returned for the caller to write).
 
-The verify route (read-only history, tree parents, windows for commit) lives in tree_step.py / naive.py.
+`causal_conv_extend_ref` is the torch route, `causal_conv_extend` the Triton kernel: one program per
+(channel tile, row tile, lane) reads the rows where the GEMM wrote them (a strided column view of the
+projection) and the history, with the arithmetic of README.md (fp32 taps in order from 0, SiLU, one
+rounding to the rows' dtype), so the two agree bit for bit on a GPU, as the verify route's do. The
+verify route (read-only history, tree parents, windows for commit) lives in tree_step.py / naive.py.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from deltaflash.ops.gdn.verify import exact_exp
 
 
-def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
+def check_extend_shapes(rows, history, weight, n_rows):
+    if rows.dim() != 3:
+        raise ValueError(f"rows must be [L, T, C]; got {tuple(rows.shape)}")
+    L, T, C = rows.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [C={C}, K>=2]; got {tuple(weight.shape)}")
+    K = weight.shape[1]
+    if tuple(history.shape) != (L, C, K - 1):
+        raise ValueError(f"history must be [L={L}, C={C}, K-1={K - 1}]; got {tuple(history.shape)}")
+    if tuple(n_rows.shape) != (L,):
+        raise ValueError(f"n_rows must be [L={L}]; got {tuple(n_rows.shape)}")
+
+
+def causal_conv_extend_ref(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
     """rows: [L, T, C] projected qkv (valid rows first, n_rows[l] of them); history: [L, C, K-1] the
     K-1 raw inputs before row 0; weight: [C, K] (tap K-1 multiplies the current row).
     Returns (silu(conv) [L, T, C] in rows' dtype, new history [L, C, K-1] = last K-1 raw inputs
-    after the lane's n_rows rows)."""
+    after the lane's n_rows rows, in rows' dtype). Rows past n_rows get outputs too (of the inputs
+    there); they change no history."""
+    check_extend_shapes(rows, history, weight, n_rows)
     L, T, C = rows.shape
     K = weight.shape[1]
     full = torch.cat([history.to(rows.dtype), rows.transpose(1, 2)], dim=2)  # [L, C, K-1+T]
-    out = F.conv1d(full.to(weight.dtype), weight[:, None, :], groups=C)  # [L, C, T]
-    out = F.silu(out).to(rows.dtype).transpose(1, 2)
+    x, w = full.float(), weight.float()
+    acc = torch.zeros(L, C, T, dtype=torch.float32, device=rows.device)
+    for j in range(K):  # tap j reads the input K-1-j rows back: column t + j of the window
+        acc = acc + w[:, j, None] * x[:, :, j:j + T]
+    out = F.silu(acc).to(rows.dtype).transpose(1, 2)
     idx = n_rows.view(L, 1, 1) + torch.arange(K - 1, device=rows.device).view(1, 1, K - 1)
     new_history = full.gather(2, idx.expand(L, C, K - 1))
+    return out, new_history
+
+
+@triton.jit(do_not_specialize=["T"])  # prefill chunks come in every length
+def conv_extend_kernel(
+    rows, history, weight, n_rows, out, new_history,
+    stride_r_l, stride_r_t, stride_r_c,
+    stride_h_l, stride_h_c, stride_h_t,
+    stride_w_c, stride_w_t,
+    T, C,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+):
+    """One program: rows [i_t * BT, +BT) x channels [i_c * BC, +BC) of lane i_l. Tap j of row t reads
+    the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j).
+    The first row tile's program also writes the lane's new history (the inputs at n - (K-1) + i)."""
+    i_c, i_t, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_l = i_l.to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_c = o_c < C
+    p_rows = rows + i_l * stride_r_l + o_c[None, :].to(tl.int64) * stride_r_c
+    p_hist = history + i_l * stride_h_l + o_c[None, :].to(tl.int64) * stride_h_c
+    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = o_t[:, None] - (K - 1) + j  # [BT, 1] input index (negative: the history)
+        b_xr = tl.load(p_rows + tl.maximum(src, 0).to(tl.int64) * stride_r_t, mask=m_c[None, :] & (src >= 0) & (src < T),
+                       other=0.0)
+        b_xh = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t, mask=m_c[None, :] & (src < 0), other=0.0)
+        b_x = tl.where(src >= 0, b_xr, b_xh.to(rows.dtype.element_ty))
+        b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
+        b_acc = b_acc + b_w[None, :] * b_x.to(tl.float32)
+    b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc))  # silu
+    p_out = out + (i_l * T + o_t[:, None]) * C + o_c[None, :]
+    tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_c[None, :] & (o_t[:, None] < T))
+    if i_t == 0:
+        n = tl.load(n_rows + i_l).to(tl.int32)
+        o_k = tl.arange(0, BK)
+        i_in = n - (K - 1) + o_k[:, None]  # [BK, 1] the inputs that stay
+        m_k = (o_k[:, None] < K - 1) & m_c[None, :]
+        b_kr = tl.load(p_rows + tl.maximum(i_in, 0).to(tl.int64) * stride_r_t, mask=m_k & (i_in >= 0), other=0.0)
+        b_kh = tl.load(p_hist + tl.maximum(i_in + K - 1, 0) * stride_h_t, mask=m_k & (i_in < 0), other=0.0)
+        b_keep = tl.where(i_in >= 0, b_kr, b_kh.to(rows.dtype.element_ty))
+        p_new = new_history + (i_l * C + o_c[None, :]) * (K - 1) + o_k[:, None]
+        tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k)
+
+
+def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
+    """Fused causal_conv_extend_ref (same arguments and results; rows may be a strided view, history
+    any layout). One launch, no host sync."""
+    check_extend_shapes(rows, history, weight, n_rows)
+    for name, t in (("history", history), ("weight", weight), ("n_rows", n_rows)):
+        if t.device != rows.device:
+            raise ValueError(f"{name} is on {t.device}, rows on {rows.device}")
+    L, T, C = rows.shape
+    K = weight.shape[1]
+    out = torch.empty(L, T, C, dtype=rows.dtype, device=rows.device)
+    new_history = torch.empty(L, C, K - 1, dtype=rows.dtype, device=rows.device)
+    if L == 0 or T == 0:
+        return out, new_history
+    BT, BC = 32, min(triton.next_power_of_2(C), 128)
+    conv_extend_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT), L)](
+        rows, history, weight, n_rows, out, new_history,
+        *rows.stride(), *history.stride(), *weight.stride(),
+        T, C,
+        K=K, BT=BT, BC=BC, BK=triton.next_power_of_2(K - 1),
+        num_warps=4, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
     return out, new_history

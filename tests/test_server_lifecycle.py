@@ -95,7 +95,7 @@ def test_bench_serve_load_script(target, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "deltaflash", "bench", "serve", "--model", str(target),
                            "--device", "cpu", "--clients", "64", "--requests", "64", "--max-tokens", "8",
-                           "--max-concurrency", "4", "--distinct-prompts", "6", "--json", str(out)],
+                           "--max-concurrency", "4", "--distinct-prompts", "6", "--no-host-overlap", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())

@@ -20,6 +20,7 @@ acceptance, labelled scripted everywhere). `--server URL` drives a running `delt
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +129,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     recorder = Engine(model, None, None, config)
     done, _ = recorder.generate(prompts, params)
     scripts = {tuple(c.prompt_ids): c.token_ids for c in done}
-    del recorder  # its page pool goes back before the measured engines size theirs
+    del recorder  # its page pool goes back before the measured engines size theirs (build_engines collects it)
 
     def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
         engine_cfg = dataclasses.replace(config, sync_phase_timing=profile,
@@ -247,7 +248,8 @@ def build_engines(workload: Workload, profile: bool) -> tuple[dict, dict]:
     for i, (mode, prof) in enumerate(wanted):
         utilization = None
         if torch.cuda.is_available() and workload.device.type == "cuda":
-            torch.cuda.empty_cache()  # blocks freed by earlier probes or engines are not in use
+            gc.collect()  # an engine dropped earlier is a reference cycle (its graphs hold its methods)
+            torch.cuda.empty_cache()  # and its freed blocks are not in use
             free, total = torch.cuda.mem_get_info(workload.device)
             used = 1 - free / total
             utilization = used + max(target - used, 0.0) / (len(wanted) - i)

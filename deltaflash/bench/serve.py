@@ -224,11 +224,13 @@ def _start_server(args):
            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--device", args.device),
                         ("--dtype", args.dtype), ("--api-key", args.api_key), ("--max-model-len", args.max_model_len),
-                        ("--kv-cache-memory", args.kv_cache_memory)):
+                        ("--kv-cache-memory", args.kv_cache_memory), ("--speculation", args.speculation),
+                        ("--tree-budget", args.tree_budget), ("--tree-top-k", args.tree_top_k),
+                        ("--tensor-parallel-size", args.tensor_parallel_size)):
         if value is not None:
             cmd += [flag, str(value)]
-    if args.no_host_overlap:
-        cmd.append("--no-host-overlap")
+    cmd += [flag for flag, on in (("--batch-invariant", args.batch_invariant), ("--no-host-overlap", args.no_host_overlap))
+            if on]
     log = tempfile.NamedTemporaryFile("w+", prefix="deltaflash-bench-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

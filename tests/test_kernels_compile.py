@@ -1,4 +1,4 @@
-"""Triton kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
+"""The prefill conv and SwiGLU kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
 under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a
 variable redefined with another shape inside an `if`): this catches that before a GPU run does."""
 
@@ -13,6 +13,7 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from deltaflash.ops.activation.silu_mul import silu_mul_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
 
     for dtype in ("bf16", "fp32"):
@@ -23,12 +24,17 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(conv_extend_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4))
         assert ".entry conv_extend_kernel" in kernel.asm["ptx"]
+        signature = dict(gate=f"*{dtype}", up=f"*{dtype}", out=f"*{dtype}", stride_g="i64", stride_u="i64", I="i32",
+                         BI="constexpr")
+        kernel = triton.compile(ASTSource(silu_mul_kernel, signature, dict(BI=1024)), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4))
+        assert ".entry silu_mul_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 
 
 @pytest.mark.timeout(600)
-def test_the_prefill_conv_kernel_compiles_for_sm90():
+def test_the_prefill_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -90,8 +90,10 @@ def test_kernel_matches_reference(T, nh, nkv, hd, page, context, mode, window, s
 def test_splits_do_not_change_the_result():
     args = lanes(1, 4, 2, 64, 4, torch.float32, [150, 7, 23], seed=3)
     outs = [paged_attention(**args, scale=0.125, split_keys=s) for s in (None, 64, 128)]
+    outs.append(paged_attention(**args, scale=0.125, split=False))  # one piece (prefill chunks)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(outs[-1], paged_attention(**args, scale=0.125, split_keys=1 << 20))  # no split: one piece
 
 
 @pytest.mark.parametrize("split_keys", [None, 64])

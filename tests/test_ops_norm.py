@@ -49,3 +49,23 @@ def test_empty_input_and_bad_weight():
         zero_centered_rms_norm(torch.randn(2, 8), torch.zeros(4), 1e-6)
     with pytest.raises(ValueError, match="gate must be"):
         gated_rms_norm(torch.randn(2, 8), torch.randn(2, 4), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("I,dtype", [(1500, torch.float32), (2048, torch.bfloat16), (7, torch.bfloat16)])
+def test_silu_mul_matches_ref_on_column_views(I, dtype):
+    """SwiGLU's activation (ops/activation) on the two column views of one merged projection: the same
+    bits as the torch route on a GPU (README: same roundings); under the interpreter bf16 casts may land
+    an ulp off at each of the two roundings."""
+    from deltaflash.ops.activation.naive import silu_mul_ref
+    from deltaflash.ops.activation.silu_mul import silu_mul
+
+    g = torch.Generator().manual_seed(I)
+    merged = (torch.randn(3, 5, 2 * I, generator=g) * 4).to(dtype).to(DEVICE)
+    gate, up = merged[..., :I], merged[..., I:]
+    out, ref = silu_mul(gate, up), silu_mul_ref(gate, up)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    if DEVICE == "cuda":
+        assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max()}"
+    else:
+        torch.testing.assert_close(out, ref, **(dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else
+                                                dict(rtol=2e-2, atol=2e-2)))

@@ -174,4 +174,4 @@ def test_unmerged_projections_are_a_clear_error():
     from deltaflash.models.layers import SwiGLU
 
     with pytest.raises(RuntimeError, match="merge_projections"):
-        SwiGLU(8, 16)(torch.randn(2, 8))
+        SwiGLU(8, 16)(torch.randn(2, 8), reference_kernels())

@@ -20,7 +20,9 @@ class AttentionRows:
     kv_rows [L, T] long: storage row of each row's K/V (the sink for rows that must land nowhere);
     slot_ids [L] (-1 padding); context_lens [L] long: committed keys before the rows; n_rows [L] long:
     valid rows; mode "causal" | "tree" with tree_mask [L, T, T] bool; max_pages: table entries the
-    reference attention reads (a host bound; None: the whole table, a fixed shape for CUDA graphs)."""
+    reference attention reads (a host bound; None: the whole table, a fixed shape for CUDA graphs);
+    split: the kernel may cut the key range (flash-decoding, for the few rows of verify and decode; a
+    prefill chunk's rows fill the GPU alone and run as one piece)."""
 
     kv_rows: torch.Tensor
     slot_ids: torch.Tensor
@@ -29,6 +31,7 @@ class AttentionRows:
     mode: str = "causal"
     tree_mask: torch.Tensor | None = None
     max_pages: int | None = None
+    split: bool = True
 
 
 class GatedAttention(MergedProjections):
@@ -57,5 +60,6 @@ class GatedAttention(MergedProjections):
         pool.write_kv(a_i, rows.kv_rows, k, v.unflatten(-1, (self.nkv, self.hd)))
         out = kernels.paged_attention(q.contiguous(), pool.key_cache[a_i], pool.value_cache[a_i], pool.tables.tables,
                                       rows.slot_ids, rows.context_lens, rows.n_rows, scale=self.hd ** -0.5,
-                                      mode=rows.mode, tree_mask=rows.tree_mask, max_pages=rows.max_pages)
+                                      mode=rows.mode, tree_mask=rows.tree_mask, max_pages=rows.max_pages,
+                                      split=rows.split)
         return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))

@@ -108,9 +108,9 @@ class SwiGLU(MergedProjections):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         gate, up = self.project(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(gate, up))
 
 
 class Router(nn.Module):
@@ -150,7 +150,7 @@ class SparseMoE(nn.Module):
         weights = (weights / weights.sum(-1, keepdim=True)).to(router_logits.dtype)
         # ops/moe: no host sync in either implementation, so MoE layers can be graph-captured
         out = kernels.moe_experts(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, kernels)
         return (out + shared).reshape(shape)
 
 

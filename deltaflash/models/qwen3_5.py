@@ -86,7 +86,7 @@ class Qwen35Model(nn.Module):
             h = layer.input_layernorm(x, kernels)
             x = x + self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
             h = layer.post_attention_layernorm(x, kernels)
-            x = x + self.reduce(layer.mlp(h, kernels) if layer.is_moe else layer.mlp(h))
+            x = x + self.reduce(layer.mlp(h, kernels))
             if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
                 taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)
@@ -103,7 +103,7 @@ class Qwen35Model(nn.Module):
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
                              slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
-                             max_pages=pool.tables.pages_to_read(kmax))
+                             max_pages=pool.tables.pages_to_read(kmax), split=False)
 
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731

@@ -1,7 +1,7 @@
 """The two implementations of every op the models run, as one frozen set each.
 
-- `triton`: the fused Triton kernels (verify route, replay / conv commit, prefill conv, norms, MoE
-  experts, paged attention). CUDA;
+- `triton`: the fused Triton kernels (verify route, replay / conv commit, prefill conv, norms, SwiGLU
+  activation, MoE experts, paged attention). CUDA;
   on CPU they run only under TRITON_INTERPRET=1, in their tests.
 - `reference`: the unfused pure-torch route (ops/*/naive.py), op by op.
 
@@ -32,6 +32,7 @@ class Kernels:
     replay_commit: Callable           # (recurrent_state, replay_log, plan)
     conv_commit: Callable             # (conv_history, windows, plan)
     moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
+    silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
 
     @property
@@ -63,6 +64,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 
 
 def reference_kernels() -> Kernels:
+    from deltaflash.ops.activation.naive import silu_mul_ref
     from deltaflash.ops.attention.naive import paged_attention_ref
     from deltaflash.ops.conv.extend import causal_conv_extend_ref
     from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
@@ -80,11 +82,13 @@ def reference_kernels() -> Kernels:
         replay_commit=lambda state, log, plan: replay_lanes_ref(state, log, plan_lanes(plan)),
         conv_commit=lambda history, windows, plan: conv_lanes_ref(history, windows, plan_lanes(plan)),
         moe_experts=moe_experts_ref,
+        silu_mul=silu_mul_ref,
         paged_attention=paged_attention_ref,
     )
 
 
 def triton_kernels() -> Kernels:
+    from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.paged import paged_attention
     from deltaflash.ops.conv.extend import causal_conv_extend
     from deltaflash.ops.conv.tree_step import conv_tree_step
@@ -109,6 +113,7 @@ def triton_kernels() -> Kernels:
         replay_commit=replay,
         conv_commit=conv,
         moe_experts=fused_moe_experts,
+        silu_mul=silu_mul,
         paged_attention=paged_attention,
     )
 

@@ -60,11 +60,12 @@ def paged_attention_ref(q: torch.Tensor, key_pages: torch.Tensor, value_pages: t
                         block_tables: torch.Tensor, slot_ids: torch.Tensor, context_lens: torch.Tensor,
                         n_rows: torch.Tensor | None = None, *, scale: float, mode: str = "causal",
                         tree_mask: torch.Tensor | None = None, window: int | None = None,
-                        max_pages: int | None = None) -> torch.Tensor:
+                        max_pages: int | None = None, split: bool = True) -> torch.Tensor:
     """q [L, T, nh, hd]; key_pages / value_pages [P, page_size, nkv, hd]; block_tables [S, n_max] of
     page ids; slot_ids [L] (-1 padding); context_lens, n_rows [L] long (n_rows None: T); tree_mask
     [L, T, T] bool (mode "tree"). Reads the first `max_pages` entries of each lane's table (None: all:
-    a fixed shape, as CUDA graphs need). Returns [L, T, nh, hd] in q's dtype."""
+    a fixed shape, as CUDA graphs need). Returns [L, T, nh, hd] in q's dtype. `split` is the kernel's
+    (whether it may cut the key range); the reference takes every key in one softmax either way."""
     L, T, nh, hd = q.shape
     page_size = key_pages.shape[1]
     n_rows = torch.full_like(context_lens, T) if n_rows is None else n_rows

@@ -211,11 +211,12 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
 def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, block_tables: torch.Tensor,
                     slot_ids: torch.Tensor, context_lens: torch.Tensor, n_rows: torch.Tensor | None = None, *,
                     scale: float, mode: str = "causal", tree_mask: torch.Tensor | None = None,
-                    window: int | None = None, max_pages: int | None = None,
+                    window: int | None = None, max_pages: int | None = None, split: bool = True,
                     split_keys: int | None = None) -> torch.Tensor:
     """naive.paged_attention_ref reading the pages in place (same arguments; `max_pages` is not needed:
     each lane reads up to its own length). split_keys: keys per flash-decoding split, a multiple of 64
-    (None: `split_keys_for` the table's capacity)."""
+    (None: `split_keys_for` the table's capacity; with `split` False the whole table, one piece: no
+    partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks)."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:
@@ -233,7 +234,8 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
         if t.shape != (L,):
             raise ValueError(f"{name} must be [{L}], got {tuple(t.shape)}")
     n_rows = torch.full_like(context_lens, T) if n_rows is None else n_rows
-    split_keys = split_keys or split_keys_for(block_tables.shape[1] * page_size)
+    capacity = block_tables.shape[1] * page_size
+    split_keys = split_keys or (split_keys_for(capacity) if split else -(-capacity // 64) * 64)
     if split_keys % 64:
         raise ValueError(f"split_keys must be a multiple of 64, got {split_keys}")
     out = torch.empty_like(q)

@@ -2,11 +2,13 @@
 server process on 127.0.0.1."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -105,3 +107,43 @@ def test_bench_serve_load_script(target, tmp_path):
     assert 8 * result["completed"] <= streamed < 8 * result["requests"]  # none lost, none doubled
     assert result["requests_per_s"] > 0 and 0 < result["ttft_p50_ms"] < result["wall_s"] * 1e3
     assert "requests_per_s" in proc.stdout
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid` (from /proc: field 4 of /proc/<child>/stat is the parent)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_bench_serve_stopped_by_sigterm_stops_its_server(target, tmp_path):
+    """`timeout` (SIGTERM) on a bench serve run must not leave the server it started running, holding
+    the device: the bench stops it on the way out, even while it is still starting."""
+    bench = subprocess.Popen([sys.executable, "-m", "deltaflash", "bench", "serve", "--model", str(target),
+                              "--device", "cpu", "--clients", "2", "--requests", "100000", "--max-tokens", "64"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+    servers = []
+    deadline = time.monotonic() + 120
+    while not servers and time.monotonic() < deadline:  # its `deltaflash serve` child exists
+        time.sleep(0.2)
+        servers = children(bench.pid)
+    assert servers, "bench serve started no server"
+    time.sleep(3)
+    bench.send_signal(signal.SIGTERM)
+    bench.wait(120)
+    for pid in servers:
+        for _ in range(600):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"the server {pid} outlived its bench")

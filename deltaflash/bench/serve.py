@@ -62,6 +62,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # a SIGTERM (`timeout`, a job runner) unwinds like Ctrl-C, so the server this bench started is stopped
+    # too instead of living on, still holding the GPU
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     server = None if args.url else _start_server(args)
     try:
         url = args.url or server[0]
@@ -234,13 +237,17 @@ def _start_server(args):
     log = tempfile.NamedTemporaryFile("w+", prefix="deltaflash-bench-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        match = re.search(r"on (http://127\.0\.0\.1:\d+) ", Path(log.name).read_text())
-        if match:
-            return match.group(1), proc, log
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
+    try:
+        while time.monotonic() < deadline:
+            match = re.search(r"on (http://127\.0\.0\.1:\d+) ", Path(log.name).read_text())
+            if match:
+                return match.group(1), proc, log
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    except BaseException:  # interrupted while the server starts: it must not outlive this process
+        _stop_server(proc, log)
+        raise
     text = Path(log.name).read_text()  # before _stop_server removes the file
     _stop_server(proc, log)
     raise RuntimeError(f"the server did not start; its log:\n{text}")

@@ -6,7 +6,7 @@
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx
-# treeround treedemo invariance stepprofile chunkprofile itl2k ttft model tp savecache (tp: the 27B shape's round at TP 1 and
+# treeround treedemo invariance stepprofile chunkprofile serveoverlap itl2k ttft model tp savecache (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -99,6 +99,11 @@ for step in "$@"; do
         itl2k) run itl2k 300 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompt-len 2048 --prompts 32 \
                    --concurrency 8 32 --no-profile --out "$OUT/itl2k" --quiet ;;  # issue 15: ITL p99 <= 3x p50
         chunkprofile) run chunkprofile 150 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 10 ;;  # issue 15
+        serveoverlap) for flag in "" --no-host-overlap; do  # issue 15: the device's wait for the host, overlap on / off
+                          run serveoverlap 240 python3 -m deltaflash bench serve --draft deltaflash/assets/demo/draft \
+                              --max-concurrency 64 --clients 64 --requests 512 --max-tokens 128 --disconnect-fraction 0 \
+                              $flag --json "$OUT/serve${flag:-overlap}.json"
+                      done ;;
         stepprofile) for lanes in 1 16 64; do  # one step's wall / device time / host ops (bench/step_profile.py)
                          for mode in "" --target-only; do
                              run stepprofile 120 python3 bench/step_profile.py --lanes $lanes --max-slots 64 $mode

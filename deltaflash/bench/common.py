@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -96,3 +97,18 @@ def write_json(path: str | Path | None, payload: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def share_of_device(device: torch.device, engines_left: int, target: float = 0.9) -> float | None:
+    """`gpu_memory_utilization` for the next of `engines_left` engines one process builds on `device`:
+    an equal part of what the memory in use leaves below `target` (the serve default). Each engine sizes
+    its page pool from the memory in use when it is built, so the first would otherwise take all of it.
+    Engines dropped before are collected first (an engine is a reference cycle: its graphs hold its
+    methods). None off CUDA (the CPU's pools have a fixed budget)."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    used = 1 - free / total
+    return used + max(target - used, 0.0) / engines_left

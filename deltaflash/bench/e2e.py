@@ -20,14 +20,13 @@ acceptance, labelled scripted everywhere). `--server URL` drives a running `delt
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from deltaflash.bench.common import copy_bandwidth_gbs, machine, write_json
+from deltaflash.bench.common import copy_bandwidth_gbs, machine, share_of_device, write_json
 from deltaflash.bench.e2e_stats import compare, explain, latency_summary, report
 from deltaflash.bundled import BUNDLED
 from deltaflash.core.request import SamplingParams
@@ -243,17 +242,10 @@ def build_engines(workload: Workload, profile: bool) -> tuple[dict, dict]:
     each is given an equal part of what the weights and the engines before it leave below the serve
     default (0.9 of the device): the first would otherwise take all of it."""
     wanted = [(mode, False) for mode in MODES] + ([(mode, True) for mode in MODES] if profile else [])
-    target = EngineConfig().gpu_memory_utilization
     built = {}
     for i, (mode, prof) in enumerate(wanted):
-        utilization = None
-        if torch.cuda.is_available() and workload.device.type == "cuda":
-            gc.collect()  # an engine dropped earlier is a reference cycle (its graphs hold its methods)
-            torch.cuda.empty_cache()  # and its freed blocks are not in use
-            free, total = torch.cuda.mem_get_info(workload.device)
-            used = 1 - free / total
-            utilization = used + max(target - used, 0.0) / (len(wanted) - i)
-        built[mode, prof] = workload.engine(mode, prof, utilization)
+        built[mode, prof] = workload.engine(mode, prof, share_of_device(workload.device, len(wanted) - i,
+                                                                        EngineConfig().gpu_memory_utilization))
     return ({m: built[m, False] for m in MODES}, {m: built[m, True] for m in MODES} if profile else {})
 
 

@@ -9,8 +9,10 @@ import dataclasses
 
 import torch
 
-from deltaflash.bench.common import copy_bandwidth_gbs, machine, matmul_tflops, print_table, time_ms, write_json
-from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
+from deltaflash.bench.common import (
+    copy_bandwidth_gbs, machine, matmul_tflops, print_table, share_of_device, time_ms, write_json,
+)
+from deltaflash.cache.slots import SlotPool
 from deltaflash.core.batch import ExtendBatch
 from deltaflash.core.request import SamplingParams
 from deltaflash.models.random_init import qwen35_9b_config, random_model, weight_bytes
@@ -124,9 +126,9 @@ def prefill_flops(cfg, tokens: int, read_bytes: int) -> float:
 
 
 def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
-    """Time to first token of one prompt per length: our engine (one slot, max_model_len the longest
-    prompt's, the serve defaults' step and idle budgets: a prompt at an idle engine goes in chunks of the
-    idle budget, graphs where a chunk fits one), the same in
+    """Time to first token of one prompt per length: our engine at the serve defaults (slots, the
+    model's max_model_len, step and idle budgets, page pools by memory - the two engines share the
+    device: a prompt at an idle engine goes in chunks of the idle budget, graphs where a chunk fits one), the same in
     chunks of the step budget (what a prompt arriving beside running streams gets), transformers' forward
     of the prompt (last row's logits, argmax), and the compute limit."""
     from deltaflash.engine.config import EngineConfig
@@ -135,11 +137,12 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
     cfg, device = model.cfg, model.embed_tokens.weight.device
     _, read_bytes = weight_bytes(model)
     rate = matmul_tflops(device)
-    longest = max(lengths)
-    pages = 2 * kv_bytes_per_token(cfg, torch.bfloat16) * (longest + 256)
-    config = EngineConfig(max_slots=1, max_model_len=longest + 8, kv_cache_memory=pages)
-    engine = Engine(model, None, None, config)
-    budget_chunks = Engine(model, None, None, dataclasses.replace(config, idle_prefill_tokens=1))
+    config = EngineConfig()
+    share = share_of_device(device, 2, config.gpu_memory_utilization)
+    engine = Engine(model, None, None, dataclasses.replace(config, gpu_memory_utilization=share or 0.9))
+    share = share_of_device(device, 1, config.gpu_memory_utilization)
+    budget_chunks = Engine(model, None, None, dataclasses.replace(config, idle_prefill_tokens=1,
+                                                                  gpu_memory_utilization=share or 0.9))
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     rows = []
     for n in lengths:
@@ -154,7 +157,8 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
             row["speedup_vs_transformers"] = row["transformers_ms"] / row["deltaflash_ms"]
         row["deltaflash_x_limit"] = row["deltaflash_ms"] / compute_ms
         rows.append(row)
-    print(f"bf16 GEMM rate {rate:.0f} TFLOP/s (measured); engine: one slot, idle prefill budget "
+    print(f"bf16 GEMM rate {rate:.0f} TFLOP/s (measured); engine: {engine.config.max_slots} slots, max_model_len "
+          f"{engine.config.max_model_len}, idle prefill budget "
           f"{engine.config.idle_prefill_tokens} tokens (budget_chunks: the step budget's "
           f"{engine.config.max_num_batched_tokens}), prefill graphs {engine.config.prefill_graphs}")
     print_table("time to first token, one prompt (ratios: deltaflash / compute limit)", rows)

@@ -250,6 +250,66 @@ def test_vocab_shares_look_up_and_project_what_the_whole_tables_do():
     torch.testing.assert_close(joined.project(hidden), whole.project(hidden))
 
 
+def test_the_argmax_of_vocab_shares_is_the_whole_rows_argmax_ties_included():
+    """Vocab.argmax gathers one (max, id) pair per rank and row: the same ids as the argmax of the
+    gathered rows, a tie between ranks (or inside one) going to the first index as torch.argmax's does."""
+    V, size = 12, 3
+    rows = V // size
+    logits = torch.randn(4, 5, V, generator=torch.Generator().manual_seed(1))
+    logits[0, 0, [5, 9]] = 9.0  # a tie across ranks 1 and 2
+    logits[1, 2, [4, 6]] = 9.0  # a tie inside rank 1
+    logits[2, 4, [3, 4]] = 9.0  # a tie across ranks 0 and 1, at their border
+    head = torch.zeros(V, 2)
+    shares = [Vocab(head[r * rows:(r + 1) * rows], head[r * rows:(r + 1) * rows], V, r * rows) for r in range(size)]
+    pieces = [logits[..., r * rows:(r + 1) * rows] for r in range(size)]
+    sent = []  # what each rank contributes to the all-gather
+    for share, piece in zip(shares, pieces):
+        dataclasses.replace(share, gather=lambda t: sent.append(t) or t).argmax(piece)
+    assert all(t.shape == (4, 5, 2) for t in sent)  # two values a row, not V / size
+    for share, piece in zip(shares, pieces):
+        got = dataclasses.replace(share, gather=lambda t: torch.cat(sent, dim=-1)).argmax(piece)
+        assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[0, 0] == 5 and got[1, 2] == 4 and got[2, 4] == 3
+    assert torch.equal(Vocab.whole(head).argmax(logits), logits.argmax(dim=-1))
+
+
+def _count_gathers(tp, target: str, out: str) -> None:
+    """A rank's target-only engine: what the target's all-gathers carry per round, greedy and then sampled."""
+    engine = Engine.from_pretrained(target, device="cpu", dtype=torch.float32, progress=False, tensor_parallel=tp,
+                                    max_slots=2, max_model_len=96)
+    widths, real = [], engine.model.gather
+    engine.model.gather = lambda t: widths.append(t.shape[-1]) or real(t)
+    counted = {}
+    for name, params in (("greedy", SamplingParams(max_new_tokens=8, ignore_eos=True)),
+                         ("sampled", SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, seed=3))):
+        for p in PROMPTS:
+            engine.add_request(list(p), params)
+        while engine.scheduler.waiting or any(s.num_prefilled < len(s.prompt_ids)
+                                              for s in engine.scheduler.running.values()):
+            engine.step()
+        widths.clear()
+        rounds = 0
+        while engine.has_work():
+            engine.step()
+            rounds += 1
+        counted[name] = (list(widths), rounds)
+    torch.save((counted, engine.cfg.vocab_rows), f"{out}/gathers{tp.rank}.pt")
+
+
+def test_greedy_rounds_gather_argmax_pairs_not_vocabulary_rows(target, tmp_path):
+    """Under tensor parallelism an all-greedy round (no logit rules, no logprobs) gathers each row's
+    (max, id) per rank - 2 values - instead of the rows' vocabulary shares; sampled rounds gather the rows."""
+    with ranks(2, "cpu", _count_gathers, str(target), str(tmp_path)) as tp:
+        _count_gathers(tp, str(target), str(tmp_path))
+    for r in range(2):
+        counted, share = torch.load(tmp_path / f"gathers{r}.pt")
+        greedy, greedy_rounds = counted["greedy"]
+        sampled, sampled_rounds = counted["sampled"]
+        assert greedy_rounds >= 7 and sampled_rounds >= 7
+        assert greedy == [2] * greedy_rounds  # one pair gather per round, no row of the vocabulary
+        assert sampled == [share] * sampled_rounds
+
+
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
 def test_sharded_loading_reads_only_each_ranks_rows(kind, tmp_path, monkeypatch):
     """load_model with a Shard builds the rank's share straight from the files - equal to slicing the whole

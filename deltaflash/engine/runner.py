@@ -141,6 +141,9 @@ class ModelRunner:
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None)
         self.source = draft_source
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
+        # a vocabulary-parallel target's verify forward (and its graphs) returns this rank's share of the
+        # logits: a round gathers them only when it needs whole rows (sampling, logit rules, logprobs, trees)
+        self.shard_logits = model.vocab.sharded
         self.widths = (1,) if config.tree_budget else config.widths  # chain widths (trees: their own graph)
         self.verify_graphs = {}
         if self.graphs is not None:
@@ -401,8 +404,9 @@ class ModelRunner:
             out = self.verify(tree.tokens, slot_ids, start, max(starts) + W, tree)
             marks.append(self._now())
             rules = self._rules(seqs, None, W)
-            logits = out.logits if rules is None else rules.apply(out.logits, None, tree)
-            accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=out.logits)
+            raw = self.model.gather(out.logits) if self.shard_logits else out.logits
+            logits = raw if rules is None else rules.apply(raw, None, tree)
+            accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw)
             return _Round(slot_ids, start, out, accepted, tree), marks
         drafts, draft_q = anchors[:, None][:, :0], None
         if W > 1:  # the block's W - 1 drafts, of which a narrower round verifies the first ones
@@ -411,8 +415,13 @@ class ModelRunner:
         marks = [self._now()]
         out = self.verify(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start, max(starts) + W)
         marks.append(self._now())
-        accepted = accept(out.logits, drafts, draft_q, n_draft, sampling, self._rules(seqs, drafts, W),
-                          top_logprobs(seqs))
+        rules, logprobs = self._rules(seqs, drafts, W), top_logprobs(seqs)
+        if self.shard_logits and sampling.all_greedy and rules is None and logprobs is None:
+            # greedy lanes need only each row's argmax: no gather of the rows (models/vocab.py)
+            accepted = accept(None, drafts, None, n_draft, sampling, argmax=self.model.vocab.argmax(out.logits))
+        else:
+            logits = self.model.gather(out.logits) if self.shard_logits else out.logits
+            accepted = accept(logits, drafts, draft_q, n_draft, sampling, rules, logprobs)
         return _Round(slot_ids, start, out, accepted), marks
 
     def _rules(self, seqs, drafts: Tensor, width: int) -> LogitRules | None:
@@ -481,7 +490,8 @@ class ModelRunner:
             parents, depth = (nodes - 1).expand(L, W).contiguous(), nodes.expand(L, W)
         batch = VerifyBatch(input_ids=input_ids, parents=parents, positions=start[:, None] + depth, slot_ids=slot_ids,
                             start=start, slot_ids_host=(), start_host=(), chain_host=chain)
-        out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax)
+        out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax,
+                                gather_logits=not self.shard_logits)
         return out.logits, out.taps, out.conv_windows.movedim(1, 0), out.replay_log.movedim(1, 0)
 
     def _now(self) -> float:

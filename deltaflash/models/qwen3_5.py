@@ -76,9 +76,10 @@ class Qwen35Model(nn.Module):
         return Vocab(self.embed_tokens.weight, self.lm_head_weight, self.cfg.vocab_size, self.vocab_start,
                      self.reduce, self.gather)
 
-    def logits(self, hidden: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        """Final norm + lm_head on [..., H] -> fp32 [..., V]."""
-        return self.vocab.project(self.norm(hidden, kernels), self.linear).float()
+    def logits(self, hidden: torch.Tensor, kernels: Kernels, gather: bool = True) -> torch.Tensor:
+        """Final norm + lm_head on [..., H] -> fp32 [..., V] (gather False, tensor parallel: this rank's
+        share of the vocabulary, models/vocab.py)."""
+        return self.vocab.project(self.norm(hidden, kernels), self.linear, gather).float()
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
         taps = []
@@ -118,12 +119,13 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def verify(self, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),
-               kmax: int | None = None) -> VerifyOutput:
+               kmax: int | None = None, gather_logits: bool = True) -> VerifyOutput:
         """All lanes' W rows in one forward. GDN state is read only; attention K/V of row n is
         written at start + n (past the committed length, so harmless until commit). No host syncs.
         kmax: a host bound on every lane's start + W, so the reference attention reads no more pages
         (None: from start_host, or with none the whole table, a fixed shape for CUDA graphs; the Triton
-        kernel reads each lane's own length either way)."""
+        kernel reads each lane's own length either way). gather_logits False (tensor parallel): the
+        logits are this rank's vocabulary share (the runner gathers them, or only their argmax)."""
         L, W = batch.input_ids.shape
         device = batch.input_ids.device
         x = self.vocab.embed(batch.input_ids)
@@ -146,4 +148,5 @@ class Qwen35Model(nn.Module):
                                             logs[mixer.gdn_index])
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
-        return VerifyOutput(logits=self.logits(x, kernels), taps=taps, conv_windows=windows, replay_log=logs)
+        return VerifyOutput(logits=self.logits(x, kernels, gather_logits), taps=taps, conv_windows=windows,
+                            replay_log=logs)

@@ -5,7 +5,9 @@ tables (vocab-parallel): a lookup of an id outside the share gives zeros and `re
 adds the ranks' lookups - one of them nonzero, so the sum is that row, exactly; a product gives the
 share's logits and `gather` (an all-gather) concatenates them in rank order. Every rank then holds the
 whole [..., V] logits: acceptance, sampling and log probabilities run unchanged, and the same on every
-rank. The drafter, replicated, uses the target's tables through the same object.
+rank. A greedy round needs only each row's argmax: `argmax` finds it from the shares, gathering one
+(max, index) pair per rank and row instead of V / N logits. The drafter, replicated, uses the target's
+tables through the same object.
 """
 
 from __future__ import annotations
@@ -57,7 +59,23 @@ class Vocab:
         rows = F.embedding(torch.where(inside, local, 0), self.embed_weight)
         return self.reduce(rows * inside[..., None].to(rows.dtype))
 
-    def project(self, hidden: Tensor, linear: Callable = F.linear) -> Tensor:
-        """hidden [..., H] -> logits [..., V] in the tables' dtype (`linear`: the product to use)."""
+    def project(self, hidden: Tensor, linear: Callable = F.linear, gather: bool = True) -> Tensor:
+        """hidden [..., H] -> logits [..., V] in the tables' dtype (`linear`: the product to use).
+        gather False: this rank's share [..., rows] of them, for `argmax` (whole logits when not sharded)."""
         logits = linear(hidden, self.head_weight)
-        return self.gather(logits.contiguous()) if self.sharded else logits
+        return self.gather(logits.contiguous()) if self.sharded and gather else logits
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """The whole vocabulary's argmax [...] (long) of `logits`: this rank's share [..., rows]
+        (`project(..., gather=False)`), or the whole rows when not sharded. Each rank's (max, index)
+        pairs are gathered - 2 values a row, not V / N - and the first rank holding the largest value
+        wins, as torch.argmax takes a tie's first index: the same ids as the argmax of gathered logits."""
+        if not self.sharded:
+            return logits.argmax(dim=-1)
+        if self.size > 1 << 24:  # ids travel as fp32 beside the values: exact below 2^24
+            return self.gather(logits.contiguous()).argmax(dim=-1)
+        best, index = logits.float().max(dim=-1)
+        pairs = torch.stack([best, (index + self.start).float()], dim=-1)
+        ranks = self.gather(pairs.contiguous()).unflatten(-1, (-1, 2))  # [..., N, (max, id)]
+        winner = ranks[..., 0].argmax(dim=-1, keepdim=True)
+        return ranks[..., 1].gather(-1, winner)[..., 0].long()

@@ -39,26 +39,46 @@ class Accepted:
     path: Tensor | None = None  # trees (speculative/tree.py): [L, W] node ids, the root first; chains: None
 
 
-def accept(logits: Tensor, drafts: Tensor, draft_q: Tensor | None, n_draft: Tensor,
-           sampling: LaneSampling, rules: LogitRules | None = None, top_logprobs: int | None = None) -> Accepted:
+def accept(logits: Tensor | None, drafts: Tensor, draft_q: Tensor | None, n_draft: Tensor,
+           sampling: LaneSampling, rules: LogitRules | None = None, top_logprobs: int | None = None,
+           argmax: Tensor | None = None) -> Accepted:
     """logits [L, W, V] fp32 raw target rows; drafts [L, W-1] long; draft_q [L, W-1, V] fp32, the q each
     draft was drawn from (None: deterministic drafts); n_draft [L] long in 0..W-1; rules: the lanes'
-    LogitRules (None: none); top_logprobs: None, or k >= 0 to report logprobs. No host sync."""
+    LogitRules (None: none); top_logprobs: None, or k >= 0 to report logprobs. `argmax` [L, W]: the rows'
+    argmax found without the whole rows (a tensor-parallel vocabulary: models/vocab.py), for all-greedy
+    lanes with no rules and no logprobs; logits are then not needed. No host sync."""
+    if argmax is not None:
+        if not sampling.all_greedy or rules is not None or top_logprobs is not None:
+            raise ValueError("argmax alone serves greedy lanes without logit rules or logprobs")
+        return _greedy(argmax, drafts, n_draft)
     raw = logits
     if rules is not None:
         logits = rules.apply(logits, drafts)
-    L, W, _ = logits.shape
-    argmax = logits.argmax(dim=-1)  # [L, W]
-    allowed = torch.arange(W - 1, device=logits.device)[None] < n_draft[:, None]  # [L, W-1]
+    accepted = _greedy(logits.argmax(dim=-1), drafts, n_draft)
+    if not sampling.all_greedy:
+        allowed = torch.arange(drafts.shape[1], device=logits.device)[None] < n_draft[:, None]  # [L, W-1]
+        sampled_counts, sampled_next = _rejection_sample(logits, drafts, draft_q, allowed, sampling)
+        counts = torch.where(sampling.greedy, accepted.counts, sampled_counts)
+        greedy_next = accepted.tokens.gather(1, accepted.counts[:, None])[:, 0]
+        accepted = Accepted(counts=counts, tokens=_emitted(drafts, counts, torch.where(sampling.greedy, greedy_next,
+                                                                                        sampled_next)))
+    return accepted if top_logprobs is None else with_logprobs(accepted, raw, top_logprobs)
+
+
+def _greedy(argmax: Tensor, drafts: Tensor, n_draft: Tensor) -> Accepted:
+    """Greedy acceptance from the target's argmax [L, W]: the drafts up to the first that differs from
+    the argmax at its row (at most n_draft of them), then the argmax after them."""
+    W = argmax.shape[1]
+    allowed = torch.arange(W - 1, device=argmax.device)[None] < n_draft[:, None]  # [L, W-1]
     counts = ((drafts == argmax[:, :-1]) & allowed).long().cumprod(dim=1).sum(dim=1)
     next_token = argmax.gather(1, counts[:, None])[:, 0]
-    if not sampling.all_greedy:
-        sampled_counts, sampled_next = _rejection_sample(logits, drafts, draft_q, allowed, sampling)
-        counts = torch.where(sampling.greedy, counts, sampled_counts)
-        next_token = torch.where(sampling.greedy, next_token, sampled_next)
-    tokens = torch.cat([drafts, drafts.new_zeros(L, 1)], dim=1).scatter_(1, counts[:, None], next_token[:, None])
-    accepted = Accepted(counts=counts, tokens=tokens)
-    return accepted if top_logprobs is None else with_logprobs(accepted, raw, top_logprobs)
+    return Accepted(counts=counts, tokens=_emitted(drafts, counts, next_token))
+
+
+def _emitted(drafts: Tensor, counts: Tensor, next_token: Tensor) -> Tensor:
+    """[L, W]: the accepted drafts, then the next token at index counts (the rest: ignored)."""
+    return torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1).scatter_(1, counts[:, None],
+                                                                                     next_token[:, None])
 
 
 def with_logprobs(accepted: Accepted, rows: Tensor, top_logprobs: int) -> Accepted:

@@ -273,12 +273,16 @@ def test_the_argmax_of_vocab_shares_is_the_whole_rows_argmax_ties_included():
     assert torch.equal(Vocab.whole(head).argmax(logits), logits.argmax(dim=-1))
 
 
-def _count_gathers(tp, target: str, out: str) -> None:
-    """A rank's target-only engine: what the target's all-gathers carry per round, greedy and then sampled."""
-    engine = Engine.from_pretrained(target, device="cpu", dtype=torch.float32, progress=False, tensor_parallel=tp,
-                                    max_slots=2, max_model_len=96)
-    widths, real = [], engine.model.gather
-    engine.model.gather = lambda t: widths.append(t.shape[-1]) or real(t)
+def _count_gathers(tp, target: str, draft: str | None, out: str) -> None:
+    """A rank's engine: the widths its target's (and drafter's) all-gathers carry in the rounds, greedy
+    lanes and then sampled ones."""
+    engine = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, progress=False,
+                                    tensor_parallel=tp, max_slots=2, max_model_len=96, speculation="fixed")
+    target_widths, draft_widths, real = [], [], engine.model.gather
+    engine.model.gather = lambda t: target_widths.append(t.shape[-1]) or real(t)
+    source = engine.runner.source
+    if source is not None:  # the drafter reads the target's tables through its own Vocab
+        source.vocab = dataclasses.replace(source.vocab, gather=lambda t: draft_widths.append(t.shape[-1]) or real(t))
     counted = {}
     for name, params in (("greedy", SamplingParams(max_new_tokens=8, ignore_eos=True)),
                          ("sampled", SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, seed=3))):
@@ -287,27 +291,36 @@ def _count_gathers(tp, target: str, out: str) -> None:
         while engine.scheduler.waiting or any(s.num_prefilled < len(s.prompt_ids)
                                               for s in engine.scheduler.running.values()):
             engine.step()
-        widths.clear()
+        target_widths.clear()
+        draft_widths.clear()
         rounds = 0
         while engine.has_work():
             engine.step()
             rounds += 1
-        counted[name] = (list(widths), rounds)
+        counted[name] = (list(target_widths), list(draft_widths), rounds)
     torch.save((counted, engine.cfg.vocab_rows), f"{out}/gathers{tp.rank}.pt")
 
 
-def test_greedy_rounds_gather_argmax_pairs_not_vocabulary_rows(target, tmp_path):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_greedy_rounds_gather_argmax_pairs_not_vocabulary_rows(pair, speculative, tmp_path):
     """Under tensor parallelism an all-greedy round (no logit rules, no logprobs) gathers each row's
-    (max, id) per rank - 2 values - instead of the rows' vocabulary shares; sampled rounds gather the rows."""
-    with ranks(2, "cpu", _count_gathers, str(target), str(tmp_path)) as tp:
-        _count_gathers(tp, str(target), str(tmp_path))
+    (max, id) per rank - 2 values - instead of the rows' vocabulary shares, for the target's verify rows
+    and the DFlash drafter's block alike; sampled rounds gather the rows."""
+    target, draft = str(pair[0]), str(pair[1]) if speculative else None
+    with ranks(2, "cpu", _count_gathers, target, draft, str(tmp_path)) as tp:
+        _count_gathers(tp, target, draft, str(tmp_path))
     for r in range(2):
         counted, share = torch.load(tmp_path / f"gathers{r}.pt")
-        greedy, greedy_rounds = counted["greedy"]
-        sampled, sampled_rounds = counted["sampled"]
-        assert greedy_rounds >= 7 and sampled_rounds >= 7
+        greedy, greedy_drafts, greedy_rounds = counted["greedy"]
+        sampled, sampled_drafts, sampled_rounds = counted["sampled"]
+        assert greedy_rounds >= 2 and sampled_rounds >= 2
         assert greedy == [2] * greedy_rounds  # one pair gather per round, no row of the vocabulary
         assert sampled == [share] * sampled_rounds
+        if speculative:
+            assert greedy_drafts and set(greedy_drafts) == {2} and len(greedy_drafts) <= greedy_rounds
+            assert sampled_drafts and set(sampled_drafts) == {share}
+        else:
+            assert greedy_drafts == sampled_drafts == []
 
 
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])

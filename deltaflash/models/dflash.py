@@ -205,10 +205,10 @@ class DFlashDrafter(nn.Module):
             h = layer(h, cos, sin, context, i, self.config.sliding_windows[i], self.config.causal[i])
         return self.norm(h)
 
-    def logits(self, hidden: Tensor, vocab: Vocab) -> Tensor:
+    def logits(self, hidden: Tensor, vocab: Vocab, gather: bool = True) -> Tensor:
         """hidden [..., H] -> [..., V] through the target's lm_head (`vocab`, models/vocab.py), times the
-        multiplier, then the optional softcap."""
-        logits = vocab.project(hidden) * self.config.output_multiplier
+        multiplier, then the optional softcap (gather False: this rank's vocabulary share of them)."""
+        logits = vocab.project(hidden, gather=gather) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

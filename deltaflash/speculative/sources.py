@@ -86,7 +86,7 @@ class DFlashSource:
             W, taps = self.block_size, len(self.tap_layer_ids) * c.hidden_size
             lane = ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
             if tree is None:  # tree rounds draft through the tree graph below (chains are never drafted then)
-                self.block_graphs = graph_factory("drafter block", self._block_logits, lane)
+                self.block_graphs = graph_factory("drafter block", self._block_shares, lane)
             rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), vocab.dtype, 0)
             self.append_graphs = graph_factory("drafter context append", self._append_rows, rows)
         self.tree, self.tree_graphs = tree, None
@@ -110,14 +110,24 @@ class DFlashSource:
         self.context.append(slot_ids.flatten(), positions.flatten(), keys, values)
         return ()
 
-    def _block_logits(self, slot_ids, anchors, start, max_context_len: int | None = None):
-        """The block's hidden [L, W-1, H] and logits [L, W-1, V] of the drafted slots."""
+    def _block_logits(self, slot_ids, anchors, start, max_context_len: int | None = None, gather: bool = True):
+        """The block's hidden [L, W-1, H] and logits [L, W-1, V] of the drafted slots (gather False: this
+        rank's vocabulary share of the logits under tensor parallelism)."""
         hidden = draft_hidden(self.drafter, self.context, self.vocab, slot_ids, anchors, start,
                               self.block_size, max_context_len=max_context_len, attend=self.attend)[:, 1:]
-        return hidden, self.drafter.logits(hidden, self.vocab)
+        return hidden, self.drafter.logits(hidden, self.vocab, gather)
+
+    def _block_shares(self, slot_ids, anchors, start):
+        """What the block graph captures: the block with its logits ungathered (`draft` gathers them
+        only when it needs whole rows)."""
+        return self._block_logits(slot_ids, anchors, start, gather=False)
 
     def draft(self, seqs, slot_ids, anchors, start, sampling):
         hidden, logits = self._block(seqs, slot_ids, anchors, start)
+        if self.vocab.sharded:  # a vocabulary-parallel target: greedy DFlash drafts are argmaxes of the shares
+            if sampling.all_greedy and self.drafter.config.variant != "dflash2":
+                return self.vocab.argmax(logits), None
+            logits = self.vocab.gather(logits.contiguous())
         picked = choose_tokens(self.drafter, hidden, logits, torch.where(slot_ids < 0, 0, anchors), sampling)
         return picked.tokens, full_vocab_probs(picked, logits.shape[-1])
 
@@ -127,6 +137,8 @@ class DFlashSource:
             if nodes is not None:
                 return self._as_tree(nodes)
         hidden, logits = self._block(seqs, slot_ids, anchors, start)
+        if self.vocab.sharded:
+            logits = self.vocab.gather(logits.contiguous())
         return self._build(hidden, logits, slot_ids, anchors, budget, top_k)
 
     def _build(self, hidden, logits, slot_ids, anchors, budget: int, top_k: int) -> DraftTree:
@@ -147,9 +159,12 @@ class DFlashSource:
         return DraftTree(*nodes, max_depth=min(self.block_size - 1, budget - 1), top_k=top_k)
 
     def _block(self, seqs, slot_ids, anchors, start) -> tuple[Tensor, Tensor]:
+        """The block's hidden and logits, these ungathered (this rank's vocabulary share under tensor
+        parallelism)."""
         out = self.block_graphs.run(slot_ids, anchors, start) if self.block_graphs is not None else None
         if out is None:  # host-known bound: read no more context rows than the longest lane has
-            out = self._block_logits(slot_ids, anchors, start, max((seq.position for seq in seqs), default=0))
+            out = self._block_logits(slot_ids, anchors, start, max((seq.position for seq in seqs), default=0),
+                                     gather=False)
         return out
 
 

@@ -141,6 +141,19 @@ def test_server_mode_drives_live_servers(tmp_path):
     assert (tmp_path / "e2e-demo-server-tokens-per-s.png").is_file()
 
 
+def test_latency_summary_counts_tokens_for_itl_and_events_for_stream_gaps():
+    """Inter-token latency splits an event of n tokens into n gaps of 1/n of its interval; a stream gap
+    is the interval itself, whatever its tokens (times in seconds from the sequence's submission)."""
+    from deltaflash.bench.e2e_stats import latency_summary
+
+    events = [(0.010, 1), (0.014, 4), (0.034, 1), (0.038, 4)]  # a round that emits one token after 20 ms
+    out = latency_summary([(0.010, 0.038, events, 10)])
+    assert out["ttft_p50_ms"] == pytest.approx(10.0)
+    assert out["itl_p50_ms"] == pytest.approx(1.0) and out["itl_p99_ms"] == pytest.approx(20.0)
+    assert out["gap_p50_ms"] == pytest.approx(4.0) and out["gap_p99_ms"] == pytest.approx(20.0)
+    assert out["seq_decode_tokens_per_s_mean"] == pytest.approx(9 / 0.028)
+
+
 def test_compare_reports_where_each_sequence_first_differs():
     points = [{"mode": "spec"}, {"mode": "target-only"}]
     e2e_stats.compare(points, [[1, 2, 3], [4, 5, 9, 7], [1, 2]], [[1, 2, 3], [4, 5, 6, 7], [1, 2, 8]])

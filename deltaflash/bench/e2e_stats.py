@@ -13,14 +13,17 @@ def latency_summary(sequences: list[tuple[float, float, list[tuple[float, int]],
     """Per sequence (first token s, last token s, [(event time, tokens in the event)], tokens), all
     times from the sequence's submission: mean tokens/s, mean decode tokens/s (tokens after the first
     over the time after the first: 1 / TPOT, prefill excluded), TTFT and inter-token percentiles (an
-    event of n tokens counts as n gaps of 1/n of its interval)."""
+    event of n tokens counts as n gaps of 1/n of its interval), and stream gaps: the time between a
+    stream's consecutive events, whatever their tokens - what a client waits between two outputs, where
+    a stall shows at its full length (a speculative round's rejected drafts do not: its gap is a round)."""
     ttft = [first for first, _, _, _ in sequences]
     itl = [(b - a) / n for _, _, events, _ in sequences for (a, _), (b, n) in zip(events, events[1:]) for _ in range(n)]
+    gaps = [b - a for _, _, events, _ in sequences for (a, _), (b, _) in zip(events, events[1:])]
     per_seq = [tokens / last for _, last, _, tokens in sequences]
     decode = [(tokens - events[0][1]) / (last - first) for first, last, events, tokens in sequences if len(events) > 1]
     out = {"seq_tokens_per_s_mean": sum(per_seq) / len(per_seq) if per_seq else None,
            "seq_decode_tokens_per_s_mean": sum(decode) / len(decode) if decode else None}
-    for name, xs in (("ttft", ttft), ("itl", itl)):
+    for name, xs in (("ttft", ttft), ("itl", itl), ("gap", gaps)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3 if xs else None
     return out
@@ -67,7 +70,7 @@ def explain(points: list[dict], engine, prompts: list[list[int]], outputs: list[
 
 TABLE_COLS = ("concurrency", "mode", "tokens_per_s", "seq_tokens_per_s_mean", "seq_decode_tokens_per_s_mean",
               "mean_accepted_length", "ttft_p50_ms",
-              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mismatched_sequences", "near_tie_sequences",
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gap_p50_ms", "gap_p99_ms", "mismatched_sequences", "near_tie_sequences",
               "kernel_loads", "device_idle_share")
 
 

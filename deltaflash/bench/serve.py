@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import re
 import signal
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltaflash.bench.common import machine, print_table, write_json
+from deltaflash.bench.e2e_stats import latency_summary
 from deltaflash.engine.args import add_engine_args
 
 
@@ -75,7 +75,8 @@ def run(args) -> int:
     result["machine"] = machine()
     row = {k: result[k] for k in ("requests", "completed", "disconnected", "errors", "mismatches", "requests_per_s",
                                   "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms",
-                                  "itl_p90_ms", "itl_p99_ms", "device_idle_share", "device_idle_per_step_us")}
+                                  "itl_p90_ms", "itl_p99_ms", "gap_p99_ms", "device_idle_share",
+                                  "device_idle_per_step_us")}
     print_table(f"deltaflash serve: {args.clients} streaming clients, {args.disconnect_fraction:.0%} disconnecting", [row])
     for problem in result["problems"][:10]:
         print("  problem:", problem)
@@ -199,24 +200,14 @@ def _summarize(traces: list[Trace], solo: list[list[int]], wall: float, idle: bo
     problems += [f"request {i}: output differs from its solo output" for i in mismatches]
     if not idle:
         problems.append("slots still live 30 s after the load ended")
-    ttft = [t.chunk_times[0] for t in traces if t.chunk_times]
-    itl = [gap / n for t in traces for gap, n in
-           zip((b - a for a, b in zip(t.chunk_times, t.chunk_times[1:])), t.chunk_tokens[1:]) for _ in range(n)]
     tokens = sum(len(t.token_ids) for t in traces)
     out = {"requests": len(traces), "completed": len(completed), "disconnected": len(traces) - len(completed),
            "errors": errors, "mismatches": len(mismatches), "idle_after": idle, "wall_s": wall,
            "requests_per_s": len(traces) / wall, "output_tokens_per_s": tokens / wall,
            "clients": args.clients, "max_tokens": args.max_tokens, "problems": problems}
-    for name, xs in (("ttft", ttft), ("itl", itl)):
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}_ms"] = _percentile(xs, q) * 1e3 if xs else None
-    return out
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    xs = sorted(xs)
-    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+    # chunk times are from each request's send: TTFT, inter-token latency and stream gaps as bench e2e's
+    return out | latency_summary([(t.chunk_times[0], t.chunk_times[-1], list(zip(t.chunk_times, t.chunk_tokens)),
+                                   len(t.token_ids)) for t in traces if t.chunk_times])
 
 
 def _start_server(args):

@@ -95,7 +95,8 @@ def ttft_profile(engine, args) -> None:
             first_token(i)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"{deltaflash.__file__}: TTFT of one {args.ttft}-token prompt ({'target-only' if args.target_only or args.shape != 'demo' else 'spec'}, {args.shape})"
+    print(f"{deltaflash.__file__}: TTFT of one {args.ttft}-token prompt ({'target-only' if args.target_only or args.shape != 'demo' else 'spec'}, {args.shape}, "
+          f"{engine.config.max_slots} slots, max_model_len {engine.config.max_model_len})"
           f": p50 {1e3 * statistics.median(walls):.2f} ms, min {1e3 * min(walls):.2f} ms over {len(walls)}; device busy "
           f"{device_us / 1e4:.2f} ms per request (under the profiler)")
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total),
@@ -147,7 +148,7 @@ def main() -> None:
         from deltaflash.models.random_init import SHAPES, random_model
 
         model = random_model(SHAPES[args.shape](), torch.bfloat16, args.device)
-        engine = Engine(model, None, None, EngineConfig(**({"max_model_len": max(args.ttft + 64, 256)} | slots)))
+        engine = Engine(model, None, None, EngineConfig(**slots))  # the serve defaults unless given
     started = time.perf_counter() - t0
     prompt = list(range(3, 60))
     # at a small max_model_len a sequence may finish inside the measurement: a new one takes its lane

@@ -99,14 +99,14 @@ def write_json(path: str | Path | None, payload: dict) -> None:
         Path(path).write_text(json.dumps(payload, indent=2))
 
 
-def share_of_device(device: torch.device, engines_left: int, target: float = 0.9) -> float | None:
+def share_of_device(device: torch.device, engines_left: int, target: float) -> float:
     """`gpu_memory_utilization` for the next of `engines_left` engines one process builds on `device`:
-    an equal part of what the memory in use leaves below `target` (the serve default). Each engine sizes
-    its page pool from the memory in use when it is built, so the first would otherwise take all of it.
-    Engines dropped before are collected first (an engine is a reference cycle: its graphs hold its
-    methods). None off CUDA (the CPU's pools have a fixed budget)."""
+    an equal part of what the memory in use leaves below `target` (the engines' own setting). Each engine
+    sizes its page pool from the memory in use when it is built, so the first would otherwise take all of
+    it. Engines dropped before are collected first (an engine is a reference cycle: its graphs hold its
+    methods). Off CUDA, `target` (the CPU's pools have a fixed budget)."""
     if device.type != "cuda":
-        return None
+        return target
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

@@ -138,11 +138,10 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
     _, read_bytes = weight_bytes(model)
     rate = matmul_tflops(device)
     config = EngineConfig()
-    share = share_of_device(device, 2, config.gpu_memory_utilization)
-    engine = Engine(model, None, None, dataclasses.replace(config, gpu_memory_utilization=share or 0.9))
-    share = share_of_device(device, 1, config.gpu_memory_utilization)
-    budget_chunks = Engine(model, None, None, dataclasses.replace(config, idle_prefill_tokens=1,
-                                                                  gpu_memory_utilization=share or 0.9))
+    engine = Engine(model, None, None, dataclasses.replace(
+        config, gpu_memory_utilization=share_of_device(device, 2, config.gpu_memory_utilization)))
+    budget_chunks = Engine(model, None, None, dataclasses.replace(
+        config, idle_prefill_tokens=1, gpu_memory_utilization=share_of_device(device, 1, config.gpu_memory_utilization)))
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     rows = []
     for n in lengths:

@@ -80,35 +80,30 @@ class IdleClock:
     is recorded before a step's first device work and one after its last. The device reaches the first
     once it has finished what came before and the host has launched it, so the time from the previous
     step's last event to this step's first is time the device sat idle, waiting for the host. Both have
-    completed by the step's one read of its results, which is when `idle_s` is asked."""
+    completed by the step's one read of its results, which is when `idle_s` is asked. Two events serve
+    every step: each is recorded again only after its last reading."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
-        self._begin = self._end = None
+        if self._cuda:
+            self._begin, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._ended = self._measuring = False  # the end event holds the previous step's end / this step counts
 
     def begin(self, follows: bool) -> None:
         """Before a step's first device work. `follows`: the engine had work from the end of the
         previous step on (else the device waited for requests, not for the host: nothing to count)."""
         if self._cuda:
-            self._begin = self._record()
-            if not follows:
-                self._end = None
+            self._begin.record()
+            self._measuring = follows and self._ended
 
     def idle_s(self) -> float | None:
-        if self._begin is None or self._end is None:
-            return None
-        return self._end.elapsed_time(self._begin) / 1e3
+        return self._end.elapsed_time(self._begin) / 1e3 if self._measuring else None
 
     def end(self) -> None:
         """After a step's last device work."""
         if self._cuda:
-            self._end = self._record()
-
-    @staticmethod
-    def _record():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+            self._end.record()
+            self._ended = True
 
 
 class ModelRunner:
@@ -404,7 +399,7 @@ class ModelRunner:
             out = self.verify(tree.tokens, slot_ids, start, max(starts) + W, tree)
             marks.append(self._now())
             rules = self._rules(seqs, None, W)
-            raw = self.model.gather(out.logits) if self.shard_logits else out.logits
+            raw = self._whole_rows(out.logits)
             logits = raw if rules is None else rules.apply(raw, None, tree)
             accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw)
             return _Round(slot_ids, start, out, accepted, tree), marks
@@ -420,9 +415,12 @@ class ModelRunner:
             # greedy lanes need only each row's argmax: no gather of the rows (models/vocab.py)
             accepted = accept(None, drafts, None, n_draft, sampling, argmax=self.model.vocab.argmax(out.logits))
         else:
-            logits = self.model.gather(out.logits) if self.shard_logits else out.logits
-            accepted = accept(logits, drafts, draft_q, n_draft, sampling, rules, logprobs)
+            accepted = accept(self._whole_rows(out.logits), drafts, draft_q, n_draft, sampling, rules, logprobs)
         return _Round(slot_ids, start, out, accepted), marks
+
+    def _whole_rows(self, logits: Tensor) -> Tensor:
+        """A verify forward's logits over the whole vocabulary (a vocabulary-parallel rank's share gathered)."""
+        return self.model.gather(logits) if self.shard_logits else logits
 
     def _rules(self, seqs, drafts: Tensor, width: int) -> LogitRules | None:
         """The lanes' logit rules. Grammar lanes need their drafts on the host to walk the grammar:

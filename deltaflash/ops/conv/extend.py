@@ -15,16 +15,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from deltaflash.ops.conv.naive import check_rows_and_weight
 from deltaflash.ops.gdn.verify import exact_exp
 
 
 def check_extend_shapes(rows, history, weight, n_rows):
-    if rows.dim() != 3:
-        raise ValueError(f"rows must be [L, T, C]; got {tuple(rows.shape)}")
-    L, T, C = rows.shape
-    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 2:
-        raise ValueError(f"weight must be [C={C}, K>=2]; got {tuple(weight.shape)}")
-    K = weight.shape[1]
+    L, _, C, K = check_rows_and_weight(rows, weight, "T")
     if tuple(history.shape) != (L, C, K - 1):
         raise ValueError(f"history must be [L={L}, C={C}, K-1={K - 1}]; got {tuple(history.shape)}")
     if tuple(n_rows.shape) != (L,):

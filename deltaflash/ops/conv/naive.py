@@ -55,13 +55,18 @@ def conv_tree_step_ref(rows, conv_history, state_slot_ids, parents, weight):
     return out, window
 
 
-def check_tree_step_shapes(rows, conv_history, state_slot_ids, parents, weight):
+def check_rows_and_weight(rows, weight, rows_name: str = "W") -> tuple[int, int, int, int]:
+    """rows [L, W or T, C] and a depthwise weight [C, K >= 2]; returns (L, rows per lane, C, K)."""
     if rows.dim() != 3:
-        raise ValueError(f"rows must be [L, W, C]; got {tuple(rows.shape)}")
+        raise ValueError(f"rows must be [L, {rows_name}, C]; got {tuple(rows.shape)}")
     L, W, C = rows.shape
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 2:
         raise ValueError(f"weight must be [C={C}, K>=2]; got {tuple(weight.shape)}")
-    K = weight.shape[1]
+    return L, W, C, weight.shape[1]
+
+
+def check_tree_step_shapes(rows, conv_history, state_slot_ids, parents, weight):
+    L, W, C, K = check_rows_and_weight(rows, weight)
     if conv_history.dim() != 3 or tuple(conv_history.shape[1:]) != (C, K - 1):
         raise ValueError(f"conv_history must be [S, C={C}, K-1={K - 1}]; got {tuple(conv_history.shape)}")
     if tuple(state_slot_ids.shape) != (L,):

@@ -5,13 +5,15 @@ graphs there); DELTAFLASH_TEST_DEVICE=cuda runs the same tests on the real graph
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.request import SamplingParams
-from deltaflash.engine.graphs import PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
+from deltaflash.engine.graphs import FRESH_PREFILL_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
 from deltaflash.server.metrics import Metrics
@@ -35,19 +37,26 @@ class Replays:
     def __init__(self, runner):
         self.calls: list[list[int]] = []
         self.shapes: list[int] = []  # the rows T of each replayed graph
+        self.fresh: list[bool] = []  # whether each was a first chunk's graph (runner.fresh_prefill_graphs)
         if DEVICE == "cpu":
             config = runner.config
-            runner.prefill_graphs = {T: _Eager(runner._prefill_rows, lanes) for T, lanes in
-                                     prefill_shapes(config.max_num_batched_tokens, config.max_slots,
-                                                    config.max_model_len, config.idle_prefill_tokens)}
+            shapes = prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len,
+                                    config.idle_prefill_tokens)
+            runner.prefill_graphs = {T: _Eager(runner._prefill_rows, lanes) for T, lanes in shapes}
+            if runner.kernels.prefill_attention is not None:  # what the runner registers on CUDA
+                first = functools.partial(runner._prefill_rows, starts_sequences=True)
+                runner.fresh_prefill_graphs = {T: _Eager(first, lanes) for T, lanes in shapes
+                                               if T >= FRESH_PREFILL_MIN_ROWS}
         assert runner.prefill_graphs, "the engine has no prefill graphs"
-        for T, graphs in runner.prefill_graphs.items():
-            graphs.run = self._recording(graphs.run, T)
+        for fresh, table in ((False, runner.prefill_graphs), (True, runner.fresh_prefill_graphs)):
+            for T, graphs in table.items():
+                graphs.run = self._recording(graphs.run, T, fresh)
 
-    def _recording(self, run, T):
+    def _recording(self, run, T, fresh):
         def wrapped(*inputs):
             self.calls.append(inputs[1].tolist())
             self.shapes.append(T)
+            self.fresh.append(fresh)
             return run(*inputs)
         return wrapped
 
@@ -157,6 +166,35 @@ def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
         outputs[e] = [got[first], got[second]]
     assert outputs[engine] == outputs[plain]
     assert replays.shapes[0] == 256 and replays.shapes[1:] and set(replays.shapes[1:]) <= {64}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="fp32 engines on CUDA run first chunks on pages (flash attention "
+                    "takes half precision) and the GPU tests' engines are batch invariant")
+def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
+    """A prompt of FRESH_PREFILL_MIN_ROWS rows or so at an idle engine replays the first-chunk graph of
+    its shape; a prompt arriving while it decodes goes in budget-sized chunks through the plain graphs
+    (its first chunk is below that shape). Outputs equal the eager engine's."""
+    T = FRESH_PREFILL_MIN_ROWS
+    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 64)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    batch = prompts(96, [T - 40, 150], seed=9)
+    plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
+    engine = engine_for(pair[0], pair[1], **config)
+    replays = Replays(engine.runner)
+    assert set(engine.runner.fresh_prefill_graphs) == {T}
+    outputs = {}
+    for e in (plain, engine):
+        first = e.add_request(batch[0], params)
+        events = e.step()
+        second = e.add_request(batch[1], params)
+        got = {first: [t for ev in events for t in ev.token_ids], second: []}
+        while e.has_work():
+            for ev in e.step():
+                got[ev.request_id] += ev.token_ids
+        outputs[e] = [got[first], got[second]]
+    assert outputs[engine] == outputs[plain]
+    assert (replays.shapes[0], replays.fresh[0]) == (T, True)
+    assert replays.shapes[1:] and not any(replays.fresh[1:])
 
 
 def test_prefill_shapes_cover_the_step_budget():

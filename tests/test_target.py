@@ -1,5 +1,7 @@
 """Target model parity with transformers, batched decode, slot reuse (CPU, fp32)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -175,3 +177,45 @@ def test_unmerged_projections_are_a_clear_error():
 
     with pytest.raises(RuntimeError, match="merge_projections"):
         SwiGLU(8, 16)(torch.randn(2, 8), reference_kernels())
+
+
+def test_a_chunk_that_starts_its_sequences_attends_over_its_own_rows(dense_folder):
+    """A first prefill chunk (every lane at position 0) runs kernels.prefill_attention on its own K/V and
+    reads no page; a later chunk reads pages. The logits match the all-pages route (fp32), the K/V the
+    chunk leaves in its pages are the same bits, and the later chunk is the same either way."""
+    model = load_model(dense_folder, device="cpu", progress=False)
+    base = reference_kernels()
+    calls = []
+
+    def counting(q, k, v, scale):
+        calls.append(q.shape)
+        return base.prefill_attention(q, k, v, scale)
+
+    vocab = model.cfg.vocab_size
+    first, second = _prompts(vocab, [37, 29], seed=3), _prompts(vocab, [11, 5], seed=4)
+    results = {}
+    for name, kernels in (("fresh", dataclasses.replace(base, prefill_attention=counting)),
+                          ("pages", dataclasses.replace(base, prefill_attention=None))):
+        pool = SlotPool(model.cfg, 3, 128, torch.float32, "cpu")
+        a, _ = model.extend(ExtendBatch.build([(2, 0, first[0]), (0, 0, first[1])], "cpu", pad_lanes_to=3),
+                            pool, kernels, all_logits=True)
+        n_fresh = len(calls)
+        b, _ = model.extend(ExtendBatch.build([(2, 37, second[0]), (0, 29, second[1])], "cpu"), pool, kernels,
+                            all_logits=True)
+        assert len(calls) == n_fresh  # the second chunk has committed keys: pages
+        results[name] = (a, b, pool.key_cache.clone(), pool.value_cache.clone())
+    assert len(calls) == len(model.cfg.attn_layer_ids)  # every attention layer, once
+    (fa, fb, fk, fv), (pa, pb, pk, pv) = results["fresh"], results["pages"]
+    for lane, n in ((0, 37), (1, 29)):
+        scale = pa[lane, :n].abs().max().item()
+        assert (fa[lane, :n] - pa[lane, :n]).abs().max().item() <= 1e-5 * scale
+    assert torch.equal(fk, pk) and torch.equal(fv, pv)
+    assert (fb - pb).abs().max().item() <= 1e-5 * pb.abs().max().item()
+
+
+def test_a_batch_invariant_engine_keeps_prefill_on_the_pages(dense_folder):
+    engine = Engine.from_pretrained(dense_folder, device="cpu", progress=False, max_slots=2, max_model_len=128,
+                                    batch_invariant=True)
+    assert engine.runner.kernels.prefill_attention is None
+    plain = Engine.from_pretrained(dense_folder, device="cpu", progress=False, max_slots=2, max_model_len=128)
+    assert plain.runner.kernels.prefill_attention is not None

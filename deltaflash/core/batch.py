@@ -37,7 +37,8 @@ class ExtendBatch:
     A fixed-shape batch (`padded`, what a prefill CUDA graph captures) has no host mirrors and no
     packing: every lane runs all T rows, and state_slots [L] names the slot whose GDN state each lane
     reads and writes back - its own, or for a padding lane a slot outside the batch, whose state it
-    writes back unchanged.
+    writes back unchanged; starts_sequences says that every lane starts at position 0 (what the host
+    mirrors would tell: the attention then runs over the chunk's own rows).
     """
 
     input_ids: torch.Tensor
@@ -52,14 +53,15 @@ class ExtendBatch:
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_host: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
+    starts_sequences: bool = False
 
     @classmethod
     def padded(cls, input_ids: torch.Tensor, slot_ids: torch.Tensor, start: torch.Tensor, n_rows: torch.Tensor,
-               state_slots: torch.Tensor) -> "ExtendBatch":
+               state_slots: torch.Tensor, starts_sequences: bool = False) -> "ExtendBatch":
         """A fixed-shape batch from device tensors: input_ids [L, T], slot_ids / start / n_rows /
-        state_slots [L]. No host data, no host sync."""
+        state_slots [L] (`starts_sequences`: the caller knows every start is 0). No host data, no host sync."""
         positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        return cls(input_ids, positions, slot_ids, n_rows, state_slots=state_slots)
+        return cls(input_ids, positions, slot_ids, n_rows, state_slots=state_slots, starts_sequences=starts_sequences)
 
     @property
     def live_lanes_host(self) -> list[int]:

@@ -10,6 +10,7 @@ the host, then the kernels) and the new draft context. Plain decoding is the sam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +25,12 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import CudaGraphs, buckets_for, padded_rows_allowed, prefill_shapes
+from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, CudaGraphs, buckets_for, padded_rows_allowed,
+                                      prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import use_batch_invariant_linears
+from deltaflash.ops.attention import dense as dense_attention
 from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
 from deltaflash.speculative.grammar import lane_masks
@@ -80,8 +83,9 @@ class IdleClock:
     is recorded before a step's first device work and one after its last. The device reaches the first
     once it has finished what came before and the host has launched it, so the time from the previous
     step's last event to this step's first is time the device sat idle, waiting for the host. Both have
-    completed by the step's one read of its results, which is when `idle_s` is asked. Two events serve
-    every step: each is recorded again only after its last reading."""
+    completed by the step's one read of its results, which is when `idle_s` is asked (a step with
+    nothing to read is not measured). Two events serve every step: each is recorded again only after
+    its last reading."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
@@ -118,6 +122,8 @@ class ModelRunner:
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
         self.kernels = kernels_named(config.kernels)
+        if config.batch_invariant:  # a prefill chunk's attention on the paged kernel's fixed tiles too
+            self.kernels = dataclasses.replace(self.kernels, prefill_attention=None)
         self.page_plan = self._plan_pages(config, drafter)
         if config.tensor_parallel_size > 1:  # every rank's scheduler plans over the same pool
             fewest = tensor_parallel.smallest(self.page_plan.num_pages, self.device)
@@ -151,12 +157,19 @@ class ModelRunner:
                     ((N,), torch.long, 0)
                 self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
+        self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
+            fresh = self.kernels.prefill_attention is not None and \
+                dense_attention.supports(self.dtype, self.device, self.cfg.head_dim)
             for T, lanes in prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len,
                                            config.idle_prefill_tokens):
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
+                if fresh and T >= FRESH_PREFILL_MIN_ROWS:
+                    self.fresh_prefill_graphs[T] = self.graphs.add(
+                        f"first prefill chunk of {T} rows", functools.partial(self._prefill_rows, starts_sequences=True),
+                        inputs, lanes)
         self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------
@@ -304,7 +317,9 @@ class ModelRunner:
             overlap_s = time.perf_counter() - ts
         extras = (round_.tree.parents,) if round_ is not None and round_.tree is not None else ()
         (first_out, round_out), parents = read_emitted([first, round_.accepted if round_ else None], extras)  # the one sync
-        idle = self.idle_clock.idle_s()
+        # only a read waits for the device to pass the step's begin event (a prefill chunk that does not
+        # finish its prompt has nothing to read: its wait is not measured)
+        idle = self.idle_clock.idle_s() if first is not None or round_ is not None else None
         if round_ is not None:
             marks.append(self._now())
             self._commit(plan, round_, round_out, parents[0] if parents else None)
@@ -347,10 +362,11 @@ class ModelRunner:
             self.source.append(kept, batch.positions, taps, graphs=graphs)
 
     def _prefill_rows(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, n_rows: Tensor,
-                      state_slots: Tensor) -> Tensor:
-        """What a prefill graph captures: the target's forward of a fixed-shape batch (ExtendBatch.padded)
-        and the drafter's context append of its rows. Returns the logits [L, V] at each lane's last row."""
-        batch = ExtendBatch.padded(input_ids, slot_ids, start, n_rows, state_slots)
+                      state_slots: Tensor, starts_sequences: bool = False) -> Tensor:
+        """What a prefill graph captures: the target's forward of a fixed-shape batch (ExtendBatch.padded;
+        `starts_sequences`: a first chunk's graph) and the drafter's context append of its rows. Returns the
+        logits [L, V] at each lane's last row."""
+        batch = ExtendBatch.padded(input_ids, slot_ids, start, n_rows, state_slots, starts_sequences)
         logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
         self._append_prompt_rows(batch, taps, graphs=False)
         return logits
@@ -364,6 +380,8 @@ class ModelRunner:
         if shape is None:
             return None
         graphs = self.prefill_graphs[shape]
+        if all(c.start == 0 for c in chunks):  # first chunks only: their attention reads no page
+            graphs = self.fresh_prefill_graphs.get(shape, graphs)
         lanes = next((b for b in graphs.buckets if b >= L), None)
         rows = sum(len(c.tokens) for c in chunks)
         if lanes is None or lanes * shape > padded_rows_allowed(rows):

@@ -22,7 +22,9 @@ class AttentionRows:
     valid rows; mode "causal" | "tree" with tree_mask [L, T, T] bool; max_pages: table entries the
     reference attention reads (a host bound; None: the whole table, a fixed shape for CUDA graphs);
     split: the kernel may cut the key range (flash-decoding, for the few rows of verify and decode; a
-    prefill chunk's rows fill the GPU alone and run as one piece)."""
+    prefill chunk's rows fill the GPU alone and run as one piece); fresh: every lane's rows start at
+    position 0 (a first prefill chunk), so they attend to their own K/V alone and the layer runs
+    `kernels.prefill_attention` on it, reading no page."""
 
     kv_rows: torch.Tensor
     slot_ids: torch.Tensor
@@ -32,6 +34,7 @@ class AttentionRows:
     tree_mask: torch.Tensor | None = None
     max_pages: int | None = None
     split: bool = True
+    fresh: bool = False
 
 
 class GatedAttention(MergedProjections):
@@ -57,7 +60,11 @@ class GatedAttention(MergedProjections):
         q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q, kernels), *rope)
         k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
-        pool.write_kv(a_i, rows.kv_rows, k, v.unflatten(-1, (self.nkv, self.hd)))
+        v = v.unflatten(-1, (self.nkv, self.hd))
+        pool.write_kv(a_i, rows.kv_rows, k, v)
+        if rows.fresh:
+            out = kernels.prefill_attention(q, k, v, self.hd ** -0.5)
+            return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))
         out = kernels.paged_attention(q.contiguous(), pool.key_cache[a_i], pool.value_cache[a_i], pool.tables.tables,
                                       rows.slot_ids, rows.context_lens, rows.n_rows, scale=self.hd ** -0.5,
                                       mode=rows.mode, tree_mask=rows.tree_mask, max_pages=rows.max_pages,

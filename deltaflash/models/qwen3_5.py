@@ -18,6 +18,7 @@ from deltaflash.models.attention import AttentionRows, GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
 from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
 from deltaflash.models.vocab import Vocab
+from deltaflash.ops.attention import dense as dense_attention
 from deltaflash.ops.kernels import Kernels
 
 
@@ -92,6 +93,16 @@ class Qwen35Model(nn.Module):
                 taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)
 
+    def _starts_sequences(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor) -> bool:
+        """Whether this chunk's attention can run over its own K/V (AttentionRows.fresh): every live lane
+        starts at position 0, by the host mirrors (a fixed-shape batch has none: it says so itself)."""
+        if kernels.prefill_attention is None or not dense_attention.supports(x.dtype, x.device, self.cfg.head_dim):
+            return False
+        if not batch.start_host:
+            return batch.starts_sequences
+        starts = [s for s, slot in zip(batch.start_host, batch.slot_ids_host) if slot >= 0]
+        return bool(starts) and not any(starts)
+
     @torch.inference_mode()
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
@@ -104,7 +115,8 @@ class Qwen35Model(nn.Module):
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
                              slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
-                             max_pages=pool.tables.pages_to_read(kmax), split=False)
+                             max_pages=pool.tables.pages_to_read(kmax), split=False,
+                             fresh=self._starts_sequences(batch, kernels, x))
 
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731

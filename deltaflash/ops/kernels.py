@@ -34,6 +34,10 @@ class Kernels:
     moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
     silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
+    # (q, k, v, scale): causal attention of a prefill chunk that starts its sequences, over its own K/V
+    # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
+    # (a batch-invariant engine: the paged kernel's tiles do not follow the shape)
+    prefill_attention: Callable | None = None
 
     @property
     def fused(self) -> bool:
@@ -65,6 +69,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 
 def reference_kernels() -> Kernels:
     from deltaflash.ops.activation.naive import silu_mul_ref
+    from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.naive import paged_attention_ref
     from deltaflash.ops.conv.extend import causal_conv_extend_ref
     from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
@@ -84,11 +89,13 @@ def reference_kernels() -> Kernels:
         moe_experts=moe_experts_ref,
         silu_mul=silu_mul_ref,
         paged_attention=paged_attention_ref,
+        prefill_attention=causal_block_attention,
     )
 
 
 def triton_kernels() -> Kernels:
     from deltaflash.ops.activation.silu_mul import silu_mul
+    from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.paged import paged_attention
     from deltaflash.ops.conv.extend import causal_conv_extend
     from deltaflash.ops.conv.tree_step import conv_tree_step
@@ -115,6 +122,7 @@ def triton_kernels() -> Kernels:
         moe_experts=fused_moe_experts,
         silu_mul=silu_mul,
         paged_attention=paged_attention,
+        prefill_attention=causal_block_attention,
     )
 
 

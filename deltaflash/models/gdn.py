@@ -16,6 +16,7 @@ from deltaflash.ops.gdn.chunk import (
     gdn_gates,
     l2_normalize,
     recurrent_gated_delta_step_ref,
+    value_heads,
 )
 
 
@@ -49,15 +50,10 @@ class GatedDeltaNet(MergedProjections):
         return (q.unflatten(-1, (self.nk, self.dk)), k.unflatten(-1, (self.nk, self.dk)),
                 v.unflatten(-1, (self.nv, self.dv)))
 
-    def _repeat_key_heads(self, x):
-        """[..., nk, d] -> [..., nv, d]: value head j reads key head j // (nv / nk)."""
-        rep = self.nv // self.nk
-        return x.repeat_interleave(rep, dim=-2) if rep > 1 else x
-
     def _qk_for_values(self, q, k):
         """Normalise q, k in fp32 (q scaled by dk^-0.5) and repeat key heads for their value heads."""
         q = l2_normalize(q) * self.dk ** -0.5
-        return self._repeat_key_heads(q), self._repeat_key_heads(l2_normalize(k))
+        return value_heads(q, self.nv), value_heads(l2_normalize(k), self.nv)
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """o [..., nv, dv], z [..., nv*dv] -> out_proj(gated norm)."""
@@ -82,13 +78,12 @@ class GatedDeltaNet(MergedProjections):
         q, k, v = self._split_qkv(conv_out)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         state = pool.recurrent_state[slot_idx, g_i]  # gathered copy [L', nv, dk, dv]
-        o = torch.zeros(L, T, self.nv, self.dv, dtype=torch.float32, device=x.device)
+        o = torch.zeros(L, T, self.nv, self.dv, dtype=v.dtype, device=x.device)  # what the gated norm takes
         if T == 1:
             q, k = self._qk_for_values(q[lane_idx, 0], k[lane_idx, 0])
             o[lane_idx, 0] = recurrent_gated_delta_step_ref(
                 q, k, v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state)
-        else:
-            q, k = self._repeat_key_heads(q), self._repeat_key_heads(k)
+        else:  # key heads as they are: the chunked rule maps value heads to them (no copy per value head)
             lens = [batch.n_rows_host[i] for i in batch.live_lanes_host]
             pack = lambda t: t.flatten(0, 1)[batch.packed_rows]  # noqa: E731  [L, T, ...] -> valid rows [N, ...]
             o_packed, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(g), pack(beta), state, lens,
@@ -109,7 +104,6 @@ class GatedDeltaNet(MergedProjections):
         q, k, v = self._split_qkv(conv_out)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         state = pool.recurrent_state[slots, g_i]
-        q, k = self._repeat_key_heads(q), self._repeat_key_heads(k)
         o, final = chunk_gated_delta_rule_padded(q, k, v, g, beta, state, batch.n_rows)
         pool.recurrent_state[slots, g_i] = torch.where(live[..., None], final, state)
         return self._output(o, z, kernels)

@@ -219,3 +219,16 @@ def test_a_batch_invariant_engine_keeps_prefill_on_the_pages(dense_folder):
     assert engine.runner.kernels.prefill_attention is None
     plain = Engine.from_pretrained(dense_folder, device="cpu", progress=False, max_slots=2, max_model_len=128)
     assert plain.runner.kernels.prefill_attention is not None
+
+
+def test_bf16_extend_of_one_row_and_of_a_chunk(dense_folder):
+    """The GDN layers' output buffer is the activation dtype: a bf16 chunk and a bf16 one-row extend
+    (the recurrent step computes in fp32) both write it, and agree with fp32 to bf16 rounding."""
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(dense_folder, device="cpu", dtype=dtype, progress=False)
+        pool = SlotPool(model.cfg, 2, 64, dtype, "cpu")
+        model.extend(ExtendBatch.build([(0, 0, [5, 9, 2, 7])], "cpu"), pool, reference_kernels())
+        logits[dtype], _ = model.extend(ExtendBatch.build([(0, 4, [11])], "cpu"), pool, reference_kernels())
+    want, got = logits[torch.float32], logits[torch.bfloat16]
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()

@@ -157,25 +157,28 @@ def test_bad_arguments_name_what_is_wrong():
         paged_attention(**(args | {"context_lens": args["context_lens"][:2]}), scale=1.0)
 
 
+@pytest.mark.parametrize("context", [0, 45], ids=["first-chunk", "after-45-keys"])
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 4, 64), (8, 2, 128), (16, 4, 256)], ids=["mha", "gqa4-hd128", "gqa4-hd256"])
-def test_a_chunk_that_starts_its_sequences_matches_the_paged_reference(nh, nkv, hd):
-    """ops/attention/dense.py (the first prefill chunk's attention over its own K/V) against the paged
-    reference at context 0: every valid row of every live lane; rows past a lane's valid rows hold
-    finite values (the layer's projections of padding), which no valid row sees."""
+def test_a_dense_chunk_matches_the_paged_reference(nh, nkv, hd, context):
+    """ops/attention/dense.py against the paged reference: a first chunk (context 0; rows past a lane's
+    valid rows hold finite values, the layer's projections of padding, which no valid row sees), and a
+    one-lane chunk after committed keys, gathered with them into one dense run (the query rows last)."""
     from deltaflash.ops.attention.dense import causal_block_attention, supports
 
     T, page = 37, 8
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     assert supports(dtype, torch.device(DEVICE), hd)
-    args = lanes(T, nh, nkv, hd, page, dtype, [0, 0, 0], seed=hd, pad_lane=False)
+    # with context, lane 0 is the one-lane chunk (all T rows valid: lanes() cuts only the last lane's)
+    args = lanes(T, nh, nkv, hd, page, dtype, [context, 0, 0], seed=hd, pad_lane=False)
     kp, vp, tables, slots = args["key_pages"], args["value_pages"], args["block_tables"], args["slot_ids"]
-    t = torch.arange(T, device=DEVICE)
-    pages = tables[slots][:, t // page].long()  # [L, T]
-    k, v = kp[pages, t % page], vp[pages, t % page]  # [L, T, nkv, hd]
-    valid = (t[None] < args["n_rows"][:, None])[..., None, None]
+    t = torch.arange(context + T, device=DEVICE)
+    pages = tables[slots][:, t // page].long()  # [L, S]
+    k, v = kp[pages, t % page], vp[pages, t % page]  # [L, S, nkv, hd]
+    valid = (t[None] < context + args["n_rows"][:, None])[..., None, None]
     k, v = torch.where(valid, k, 3.0), torch.where(valid, v, -2.0)
-    got = causal_block_attention(args["q"], k, v, hd ** -0.5)
+    live = 1 if context else 3
+    got = causal_block_attention(args["q"][:live], k[:live], v[:live], hd ** -0.5)
     want = paged_attention_ref(**args, scale=hd ** -0.5, mode="causal")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for lane, n in enumerate(args["n_rows"].tolist()):
+    for lane, n in enumerate(args["n_rows"].tolist()[:live]):
         assert torch.allclose(got[lane, :n].float(), want[lane, :n].float(), atol=tol, rtol=tol)

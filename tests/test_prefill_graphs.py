@@ -197,6 +197,29 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
     assert replays.shapes[1:] and not any(replays.fresh[1:])
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="fp32 engines on CUDA run prefill attention on pages (flash attention "
+                    "takes half precision) and the GPU tests' engines are batch invariant")
+def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
+    """A prompt longer than the idle budget at an idle engine: its first chunk replays the first-chunk
+    graph; its next chunk, after EAGER_DENSE_MIN_CONTEXT committed keys, runs eagerly (its attention
+    gathers the context into one dense run, which no graph can). Outputs equal the eager engine's."""
+    from deltaflash.engine.graphs import EAGER_DENSE_MIN_CONTEXT
+
+    T = EAGER_DENSE_MIN_CONTEXT
+    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 160)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    (prompt,) = prompts(96, [T + 100], seed=10)
+    plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
+    engine = engine_for(pair[0], pair[1], **config)
+    replays = Replays(engine.runner)
+    outputs = []
+    for e in (plain, engine):
+        (done,), _ = e.generate([prompt], params)
+        outputs.append(done.token_ids)
+    assert outputs[1] == outputs[0]
+    assert (replays.shapes, replays.fresh) == ([T], [True])  # the second chunk ran eagerly
+
+
 def test_prefill_shapes_cover_the_step_budget():
     """Shapes up to the budget's rows, each with the lanes that pad a full step at most twice over."""
     assert prefill_shapes(512, 64, 4096) == ((64, 16), (128, 8), (256, 4), (512, 2))

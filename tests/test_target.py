@@ -181,8 +181,9 @@ def test_unmerged_projections_are_a_clear_error():
 
 def test_a_chunk_that_starts_its_sequences_attends_over_its_own_rows(dense_folder):
     """A first prefill chunk (every lane at position 0) runs kernels.prefill_attention on its own K/V and
-    reads no page; a later chunk reads pages. The logits match the all-pages route (fp32), the K/V the
-    chunk leaves in its pages are the same bits, and the later chunk is the same either way."""
+    reads no page; a later chunk of several lanes reads pages; a later chunk of one lane and 64+ rows
+    gathers its context into one dense run for kernels.prefill_attention. The logits match the
+    all-pages route (fp32), and the K/V the chunks leave in their pages are the same bits."""
     model = load_model(dense_folder, device="cpu", progress=False)
     base = reference_kernels()
     calls = []
@@ -193,6 +194,7 @@ def test_a_chunk_that_starts_its_sequences_attends_over_its_own_rows(dense_folde
 
     vocab = model.cfg.vocab_size
     first, second = _prompts(vocab, [37, 29], seed=3), _prompts(vocab, [11, 5], seed=4)
+    (third,) = _prompts(vocab, [70], seed=5)
     results = {}
     for name, kernels in (("fresh", dataclasses.replace(base, prefill_attention=counting)),
                           ("pages", dataclasses.replace(base, prefill_attention=None))):
@@ -202,10 +204,13 @@ def test_a_chunk_that_starts_its_sequences_attends_over_its_own_rows(dense_folde
         n_fresh = len(calls)
         b, _ = model.extend(ExtendBatch.build([(2, 37, second[0]), (0, 29, second[1])], "cpu"), pool, kernels,
                             all_logits=True)
-        assert len(calls) == n_fresh  # the second chunk has committed keys: pages
-        results[name] = (a, b, pool.key_cache.clone(), pool.value_cache.clone())
-    assert len(calls) == len(model.cfg.attn_layer_ids)  # every attention layer, once
-    (fa, fb, fk, fv), (pa, pb, pk, pv) = results["fresh"], results["pages"]
+        assert len(calls) == n_fresh  # the second chunk has committed keys and two lanes: pages
+        c, _ = model.extend(ExtendBatch.build([(2, 48, third)], "cpu"), pool, kernels, all_logits=True)
+        results[name] = (a, b, c, pool.key_cache.clone(), pool.value_cache.clone())
+    layers = len(model.cfg.attn_layer_ids)
+    assert [shape[1] for shape in calls] == [37] * layers + [70] * layers  # every attention layer, once a chunk
+    (fa, fb, fc, fk, fv), (pa, pb, pc, pk, pv) = results["fresh"], results["pages"]
+    assert (fc - pc).abs().max().item() <= 1e-5 * pc.abs().max().item()
     for lane, n in ((0, 37), (1, 29)):
         scale = pa[lane, :n].abs().max().item()
         assert (fa[lane, :n] - pa[lane, :n]).abs().max().item() <= 1e-5 * scale

@@ -25,6 +25,11 @@ PREFILL_MAX_ROWS = 2048  # longer chunks run eagerly (their host overhead is sma
 # against 0.53 ms per layer in the paged kernel on the H200; at 512 rows the paged kernel costs ~0.03 ms
 # per layer (the cost goes as rows squared), too little to pay for a second graph.
 FRESH_PREFILL_MIN_ROWS = 1024
+# A prompt's chunk after at least this many committed keys, alone in a step that decodes nothing (a long
+# prompt at an idle engine), runs eagerly: its attention then gathers the context into one dense run for
+# the flash kernel (ops/attention/dense.py), which no fixed-shape graph can (the run's length varies),
+# and at 2048+ keys that saves more device time than the graph saves host time.
+EAGER_DENSE_MIN_CONTEXT = 2048
 
 
 def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -25,8 +25,8 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, CudaGraphs, buckets_for, padded_rows_allowed,
-                                      prefill_shapes)
+from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, CudaGraphs, buckets_for,
+                                      padded_rows_allowed, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import use_batch_invariant_linears
@@ -305,7 +305,7 @@ class ModelRunner:
             if self.source is not None:
                 self.source.reset(seq.slot)
         t0 = time.perf_counter()
-        first, graphed = self._prefill(plan.prefill) if plan.prefill else (None, False)
+        first, graphed = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, False)
         t1 = clock = time.perf_counter()
         round_, marks = None, []
         if plan.decode:
@@ -334,10 +334,12 @@ class ModelRunner:
                           decode_s=time.perf_counter() - t1 - overlap_s if round_ else 0.0, phases=phases,
                           prefill_graphed=graphed, device_idle_s=idle)
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Accepted | None, bool]:
-        """Run the chunks; returns (the first tokens [n, 1] of the chunks that complete their prompt, or
-        None; whether a prefill graph ran them)."""
-        logits = self._prefill_replay(chunks) if self.prefill_graphs else None
+    def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, bool]:
+        """Run the chunks (`alone`: the step decodes nothing); returns (the first tokens [n, 1] of the
+        chunks that complete their prompt, or None; whether a prefill graph ran them)."""
+        long_context = alone and len(chunks) == 1 and chunks[0].start >= EAGER_DENSE_MIN_CONTEXT \
+            and self.kernels.prefill_attention is not None
+        logits = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
         graphed = logits is not None
         if logits is None:
             batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)

@@ -24,7 +24,9 @@ class AttentionRows:
     split: the kernel may cut the key range (flash-decoding, for the few rows of verify and decode; a
     prefill chunk's rows fill the GPU alone and run as one piece); fresh: every lane's rows start at
     position 0 (a first prefill chunk), so they attend to their own K/V alone and the layer runs
-    `kernels.prefill_attention` on it, reading no page."""
+    `kernels.prefill_attention` on it, reading no page; dense_keys [1, S] long: the storage rows of
+    keys 0..S-1 of a one-lane chunk whose rows are the last of them, gathered into one dense run for
+    `kernels.prefill_attention` (a long prompt's later chunks: ops/attention/dense.py)."""
 
     kv_rows: torch.Tensor
     slot_ids: torch.Tensor
@@ -35,6 +37,7 @@ class AttentionRows:
     max_pages: int | None = None
     split: bool = True
     fresh: bool = False
+    dense_keys: torch.Tensor | None = None
 
 
 class GatedAttention(MergedProjections):
@@ -62,7 +65,10 @@ class GatedAttention(MergedProjections):
         k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
         v = v.unflatten(-1, (self.nkv, self.hd))
         pool.write_kv(a_i, rows.kv_rows, k, v)
-        if rows.fresh:
+        if rows.fresh or rows.dense_keys is not None:
+            if rows.dense_keys is not None:  # this lane's committed keys and its own rows, in position order
+                k = pool.key_cache[a_i].flatten(0, 1)[rows.dense_keys]
+                v = pool.value_cache[a_i].flatten(0, 1)[rows.dense_keys]
             out = kernels.prefill_attention(q, k, v, self.hd ** -0.5)
             return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))
         out = kernels.paged_attention(q.contiguous(), pool.key_cache[a_i], pool.value_cache[a_i], pool.tables.tables,

@@ -103,6 +103,19 @@ class Qwen35Model(nn.Module):
         starts = [s for s, slot in zip(batch.start_host, batch.slot_ids_host) if slot >= 0]
         return bool(starts) and not any(starts)
 
+    def _dense_keys(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor, pool: SlotPool) -> torch.Tensor | None:
+        """Storage rows [1, S] of keys 0..S-1 for a one-lane chunk after committed keys, whose attention
+        runs over them gathered into one dense run (AttentionRows.dense_keys), or None: a first chunk, a
+        batch of several lanes or without host mirrors, too few rows or too many keys (dense.py's bounds)."""
+        if len(batch.start_host) != 1 or batch.slot_ids_host[0] < 0 or batch.start_host[0] == 0:
+            return None
+        if kernels.prefill_attention is None or not dense_attention.supports(x.dtype, x.device, self.cfg.head_dim):
+            return None
+        n, S = batch.n_rows_host[0], batch.start_host[0] + batch.n_rows_host[0]
+        if n < dense_attention.MIN_DENSE_ROWS or S > dense_attention.MAX_DENSE_KEYS or n != x.shape[1]:
+            return None
+        return pool.tables.rows(batch.slot_ids[:1], torch.arange(S, device=x.device)[None])
+
     @torch.inference_mode()
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
@@ -116,7 +129,8 @@ class Qwen35Model(nn.Module):
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
                              slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
                              max_pages=pool.tables.pages_to_read(kmax), split=False,
-                             fresh=self._starts_sequences(batch, kernels, x))
+                             fresh=self._starts_sequences(batch, kernels, x),
+                             dense_keys=self._dense_keys(batch, kernels, x, pool))
 
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731

@@ -1,12 +1,13 @@
-"""Causal attention of prefill rows that start a sequence: they see only their own block, so no page is read.
+"""Causal attention of prefill chunks over dense K/V, on a library's flash-attention kernel.
 
 A chunk at positions 0..T-1 (nothing committed before it) attends to its own K/V alone, which the layer
-holds as dense [L, T, nkv, hd] tensors before writing them to pages. Such a chunk runs on a library's
-flash-attention kernel (torch SDPA's FlashAttention-2 backend on CUDA, its flash kernel on CPU) instead
-of the paged kernel: on the H200 a 2048-token chunk of the 9B shape takes ~0.57 ms per layer in the
-paged kernel (64-row x 16-key tiles: head dim 256 leaves no registers for larger ones) and a fraction
-of it here (docs/benchmarks.md). cuDNN's backend is not used: it builds a graph per new sequence length
-(ops/attention/naive.py), and every prompt has its own.
+holds as dense [L, T, nkv, hd] tensors before writing them to pages; a one-lane chunk after committed
+keys (a long prompt's later chunks) gathers them and its own rows from the pages into one dense run
+(up to MAX_DENSE_KEYS). Either runs on torch SDPA's FlashAttention-2 backend (its flash kernel on CPU)
+instead of the paged kernel: on the H200 a 2048-token first chunk of the 9B shape takes 0.53 ms per
+layer in the paged kernel (64-row x 16-key tiles: head dim 256 leaves no registers for larger ones)
+and 0.18 ms here (`bench/prefill_attention.py`). cuDNN's backend is not used: it builds a graph per new
+sequence length (ops/attention/naive.py), and every prompt has its own.
 
 Both kernel sets run this same function (ops/kernels.py), so the fused and unfused routes stay bit for bit
 equal for prefill. A batch-invariant engine does not use it (the paged kernel's tiles are fixed; a
@@ -17,8 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 MAX_HEAD_DIM = 256  # FlashAttention-2's widest head
+# A one-lane chunk after committed keys gathers them from the pages into one dense run when the run
+# is at most this long: a transient copy of 2 x keys x nkv x hd (the 9B shape at 32,768 keys: 128 MiB,
+# well inside the memory the page pool leaves), against attention in the paged kernel at a third of the
+# flash kernel's rate. Longer contexts keep the paged kernel.
+MAX_DENSE_KEYS = 32768
+MIN_DENSE_ROWS = 64  # below this many query rows the gather costs more than the paged kernel's reads
 
 
 def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -29,12 +37,19 @@ def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
 
 
 def causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [L, T, nh, hd], k / v [L, T, nkv, hd] (nh a multiple of nkv: GQA without copying K / V) ->
-    [L, T, nh, hd]: row t of lane l attends to rows 0..t of lane l. Rows past a lane's valid rows give
-    values nobody reads (the valid rows come first and see none of them)."""
+    """q [L, T, nh, hd], k / v [L, S, nkv, hd] with S >= T (nh a multiple of nkv: GQA without copying
+    K / V) -> [L, T, nh, hd]. The query rows are the last T of the S key positions: row t sees keys
+    0..S-T+t (S == T: a first chunk, row t sees rows 0..t; S > T: a chunk after S - T committed keys,
+    gathered with it into one dense run). Rows past a lane's valid rows give values nobody reads (the
+    valid rows come first and see none of them)."""
     if not supports(q.dtype, q.device, q.shape[-1]):
         raise ValueError(f"flash attention takes no {q.dtype} rows of head dim {q.shape[-1]} on {q.device.type}")
+    T, S = q.shape[1], k.shape[1]
+    if S < T:
+        raise ValueError(f"{T} query rows need at least as many keys, got {S}")
+    mask = {} if S == T else {"attn_mask": causal_lower_right(T, S)}
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=S == T, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+                                             **mask)
     return out.transpose(1, 2)

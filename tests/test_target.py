@@ -237,3 +237,26 @@ def test_bf16_extend_of_one_row_and_of_a_chunk(dense_folder):
         logits[dtype], _ = model.extend(ExtendBatch.build([(0, 4, [11])], "cpu"), pool, reference_kernels())
     want, got = logits[torch.float32], logits[torch.bfloat16]
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+
+
+def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypatch):
+    """A one-lane later chunk runs on pages when its context is longer than dense.MAX_DENSE_KEYS or it
+    has fewer than dense.MIN_DENSE_ROWS rows (the gather would cost more than it saves)."""
+    from deltaflash.ops.attention import dense
+
+    model = load_model(dense_folder, device="cpu", progress=False)
+    calls = []
+    kernels = dataclasses.replace(reference_kernels(), prefill_attention=lambda *a: calls.append(a[0].shape[1])
+                                  or dense.causal_block_attention(*a))
+    pool = SlotPool(model.cfg, 2, 256, torch.float32, "cpu")
+    (prompt,) = _prompts(model.cfg.vocab_size, [200], seed=6)
+    model.extend(ExtendBatch.build([(0, 0, prompt[:40])], "cpu"), pool, kernels)
+    monkeypatch.setattr(dense, "MAX_DENSE_KEYS", 100)
+    model.extend(ExtendBatch.build([(0, 40, prompt[40:110])], "cpu"), pool, kernels)  # 110 keys > 100
+    monkeypatch.undo()
+    model.extend(ExtendBatch.build([(0, 110, prompt[110:140])], "cpu"), pool, kernels)  # 30 rows < 64
+    model.extend(ExtendBatch.build([(0, 140, prompt[140:])], "cpu"), pool, kernels)  # 60 rows < 64 too
+    layers = len(model.cfg.attn_layer_ids)
+    assert calls == [40] * layers  # the first chunk only
+    model.extend(ExtendBatch.build([(0, 200, [1] * 64)], "cpu"), pool, kernels)
+    assert calls == [40] * layers + [64] * layers  # 64 rows after 200 keys: dense

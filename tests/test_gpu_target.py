@@ -36,32 +36,6 @@ def test_fla_varlen_prefill_matches_reference():
         row += n
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_grouped_values_equal_repeated_key_heads(dtype):
-    """The models pass fla-core nk key heads for nv value heads (value head j reads key head j // (nv/nk)):
-    the same bits as the key heads repeated per value head, packed and padded."""
-    from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, value_heads
-
-    torch.manual_seed(1)
-    Hk, H, dk, dv, lens = 2, 6, 64, 32, [5, 70, 129]
-    N = sum(lens)
-    q, k = torch.randn(N, Hk, dk, device="cuda", dtype=dtype), torch.randn(N, Hk, dk, device="cuda", dtype=dtype)
-    v = torch.randn(N, H, dv, device="cuda", dtype=dtype)
-    g, beta = -torch.rand(N, H, device="cuda") * 0.2, torch.rand(N, H, device="cuda")
-    s0 = torch.randn(len(lens), H, dk, dv, device="cuda")
-    o, s = chunk_gated_delta_rule_varlen(q, k, v, g, beta, s0, lens)
-    o_rep, s_rep = chunk_gated_delta_rule_varlen(value_heads(q, H), value_heads(k, H), v, g, beta, s0, lens)
-    assert o.dtype == dtype and torch.equal(o, o_rep) and torch.equal(s, s_rep)
-    T = max(lens)
-    pad = lambda t: torch.stack([torch.cat([t[sum(lens[:i]):sum(lens[:i + 1])],  # noqa: E731
-                                            t.new_zeros(T - n, *t.shape[1:])]) for i, n in enumerate(lens)])
-    n_rows = torch.tensor(lens, device="cuda")
-    o, s = chunk_gated_delta_rule_padded(pad(q), pad(k), pad(v), pad(g), pad(beta), s0, n_rows)
-    o_rep, s_rep = chunk_gated_delta_rule_padded(pad(value_heads(q, H)), pad(value_heads(k, H)), pad(v), pad(g),
-                                                 pad(beta), s0, n_rows)
-    assert torch.equal(o, o_rep) and torch.equal(s, s_rep)
-
-
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
 def test_cuda_fp32_greedy_matches_transformers(tmp_path, kind):
     hf = build_hf_model(kind, seed=3)

@@ -83,7 +83,7 @@ class GatedDeltaNet(MergedProjections):
             q, k = self._qk_for_values(q[lane_idx, 0], k[lane_idx, 0])
             o[lane_idx, 0] = recurrent_gated_delta_step_ref(
                 q, k, v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state).to(o.dtype)
-        else:  # key heads as they are: the chunked rule maps value heads to them (no copy per value head)
+        else:  # key heads as they are (the chunked rule repeats them for its value heads)
             lens = [batch.n_rows_host[i] for i in batch.live_lanes_host]
             pack = lambda t: t.flatten(0, 1)[batch.packed_rows]  # noqa: E731  [L, T, ...] -> valid rows [N, ...]
             o_packed, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(g), pack(beta), state, lens,

@@ -182,3 +182,10 @@ def test_a_dense_chunk_matches_the_paged_reference(nh, nkv, hd, context):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for lane, n in enumerate(args["n_rows"].tolist()[:live]):
         assert torch.allclose(got[lane, :n].float(), want[lane, :n].float(), atol=tol, rtol=tol)
+
+
+def test_the_dense_routes_gather_is_bounded_for_the_memory_plan():
+    from deltaflash.ops.attention.dense import MAX_DENSE_KEYS, gather_bytes
+
+    assert gather_bytes(262144, 4, 256, torch.bfloat16) == 2 * MAX_DENSE_KEYS * 4 * 256 * 2  # 9B shape: 128 MiB
+    assert gather_bytes(1000, 2, 64, torch.float32) == 2 * 1000 * 2 * 64 * 4  # never more than the context

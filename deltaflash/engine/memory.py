@@ -6,7 +6,8 @@
   peak: what is in use once the weights are loaded (weights, the CUDA context, other processes), the
   slot state, and the activations of the two largest things it runs - an eager prefill chunk and a
   round at the largest lane bucket (whose activations the CUDA graph pool keeps) - measured by running
-  them once on a probe pool of a few pages, plus 2% of the device for allocator slack and workspaces.
+  them once on a probe pool of a few pages (and the K/V run a long prompt's later chunk gathers for its
+  attention: ops/attention/dense.py), plus 2% of the device for allocator slack and workspaces.
 No pool holds more pages than `max_slots` sequences of full length could use.
 """
 

@@ -199,8 +199,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _probe_peak_bytes(self, config: EngineConfig, drafter) -> int:
         """Peak activation bytes of the largest prefill step (the budget's rows; with prefill graphs, the
-        rows a padded step may reach) plus those of a round (draft, verify) at the largest lane bucket,
-        measured on a probe pool of static pages for a few positions per slot."""
+        rows a padded step may reach; plus the dense attention route's gathered context, which a probe
+        chunk at position 0 does not reach) plus those of a round (draft, verify) at the largest lane
+        bucket, measured on a probe pool of static pages for a few positions per slot."""
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
         rows = config.idle_prefill_tokens
         if config.prefill_graphs:
@@ -234,6 +235,9 @@ class ModelRunner:
                 self.model.verify(batch, probe, self.kernels, taps)
             torch.cuda.synchronize(self.device)
             peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+        if self.kernels.prefill_attention is not None:  # a long prompt's later chunk gathers its context
+            peaks[0] += dense_attention.gather_bytes(config.max_model_len, self.cfg.num_kv_heads, self.cfg.head_dim,
+                                                     self.dtype)
         del probe, source
         torch.cuda.empty_cache()
         return sum(peaks)

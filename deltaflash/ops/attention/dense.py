@@ -3,8 +3,8 @@
 A chunk at positions 0..T-1 (nothing committed before it) attends to its own K/V alone, which the layer
 holds as dense [L, T, nkv, hd] tensors before writing them to pages; a one-lane chunk after committed
 keys (a long prompt's later chunks) gathers them and its own rows from the pages into one dense run
-(up to MAX_DENSE_KEYS). Either runs on torch SDPA's FlashAttention-2 backend (its flash kernel on CPU)
-instead of the paged kernel: on the H200 a 2048-token first chunk of the 9B shape takes 0.53 ms per
+(up to MAX_DENSE_KEYS; the page pool reserves the largest run: `gather_bytes`). Either runs on torch
+SDPA's FlashAttention-2 backend (its flash kernel on CPU) instead of the paged kernel: on the H200 a 2048-token first chunk of the 9B shape takes 0.53 ms per
 layer in the paged kernel (64-row x 16-key tiles: head dim 256 leaves no registers for larger ones)
 and 0.18 ms here (`bench/prefill_attention.py`). cuDNN's backend is not used: it builds a graph per new
 sequence length (ops/attention/naive.py), and every prompt has its own.
@@ -27,6 +27,13 @@ MAX_HEAD_DIM = 256  # FlashAttention-2's widest head
 # flash kernel's rate. Longer contexts keep the paged kernel.
 MAX_DENSE_KEYS = 32768
 MIN_DENSE_ROWS = 64  # below this many query rows the gather costs more than the paged kernel's reads
+
+
+def gather_bytes(max_model_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The dense route's largest transient: one layer's K and V run of a later chunk, at most
+    MAX_DENSE_KEYS keys (the page pool's sizing reserves it: engine/memory.py)."""
+    keys = min(MAX_DENSE_KEYS, max_model_len)
+    return 2 * keys * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:

@@ -6,7 +6,7 @@
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx
-# treeround treedemo invariance stepprofile chunkprofile serveoverlap itl2k ttft model tp savecache (tp: the 27B shape's round at TP 1 and
+# treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model tp savecache (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -48,7 +48,7 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
 for step in "$@"; do
     case $step in
         tests) run tests 300 python3 -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
-                   tests/test_ops_moe.py tests/test_ops_attention.py tests/test_gpu_graphs.py} ;;
+                   tests/test_ops_moe.py tests/test_ops_attention.py tests/test_ops_rope.py tests/test_gpu_graphs.py} ;;
         spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q ${PYTEST_ARGS:-} tests/test_spec.py \
                   tests/test_spec_sampling.py tests/test_engine.py tests/test_pages.py tests/test_tree.py \
                   tests/test_policy.py ;;
@@ -98,6 +98,7 @@ for step in "$@"; do
             done ;;
         itl2k) run itl2k 300 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompt-len 2048 --prompts 32 \
                    --concurrency 8 32 --no-profile --out "$OUT/itl2k" --quiet ;;  # issue 15: ITL p99 <= 3x p50
+        prefillattn) run prefillattn 60 python3 bench/prefill_attention.py ;;  # paged kernel vs the dense route
         chunkprofile) run chunkprofile 150 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 10 ;;  # issue 15
         serveoverlap) for flag in "" --no-host-overlap; do  # issue 15: the device's wait for the host, overlap on / off
                           run serveoverlap 240 python3 -m deltaflash bench serve --draft deltaflash/assets/demo/draft \

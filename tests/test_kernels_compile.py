@@ -1,4 +1,4 @@
-"""The prefill conv and SwiGLU kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
+"""The prefill conv, SwiGLU and RoPE kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
 under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a
 variable redefined with another shape inside an `if`): this catches that before a GPU run does."""
 
@@ -15,6 +15,7 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
+    from deltaflash.ops.rope.rotary import rope_kernel
 
     for dtype in ("bf16", "fp32"):
         pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", weight=f"*{dtype}", n_rows="*i64",
@@ -29,6 +30,11 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(silu_mul_kernel, signature, dict(BI=1024)), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4))
         assert ".entry silu_mul_kernel" in kernel.asm["ptx"]
+        signature = {n: f"*{dtype}" if n in ("x", "cos", "sin", "out") else "constexpr" if n in ("BH", "BD") else
+                     "i64" if n.startswith("stride") else "i32" for n in rope_kernel.arg_names}
+        kernel = triton.compile(ASTSource(rope_kernel, signature, dict(BH=16, BD=256)),
+                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
+        assert ".entry rope_kernel" in kernel.asm["ptx"] and "fma" not in kernel.asm["ptx"]  # no contraction
     print("compiled")
 """)
 

@@ -167,9 +167,9 @@ class ModelRunner:
                     ((), torch.long, 0)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
                 if fresh and T >= FRESH_PREFILL_MIN_ROWS:
-                    self.fresh_prefill_graphs[T] = self.graphs.add(
-                        f"first prefill chunk of {T} rows", functools.partial(self._prefill_rows, starts_sequences=True),
-                        inputs, lanes)
+                    first_chunks = functools.partial(self._prefill_rows, starts_sequences=True)
+                    self.fresh_prefill_graphs[T] = self.graphs.add(f"first prefill chunk of {T} rows", first_chunks,
+                                                                   inputs, lanes)
         self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------

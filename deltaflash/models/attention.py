@@ -9,7 +9,7 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm, apply_rope
+from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm
 from deltaflash.ops.kernels import Kernels
 
 
@@ -61,8 +61,8 @@ class GatedAttention(MergedProjections):
         a_i = self.attn_index
         q, k, v = self.project(x)
         q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q, kernels), *rope)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
+        q = kernels.rope(self.q_norm(q, kernels), *rope)
+        k = kernels.rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
         v = v.unflatten(-1, (self.nkv, self.hd))
         pool.write_kv(a_i, rows.kv_rows, k, v)
         if rows.fresh or rows.dense_keys is not None:

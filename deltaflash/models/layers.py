@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaflash.ops.kernels import Kernels
+from deltaflash.ops.rope.naive import apply_rope_ref
 
 
 class BatchInvariantLinear(nn.Linear):
@@ -162,11 +163,4 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: 
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, hd]; cos/sin [..., rd] broadcast over heads; rotates the first rd dims."""
-    rd = cos.shape[-1]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    rot, keep = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
+apply_rope = apply_rope_ref  # the drafter's and the trainer's RoPE: the torch route (ops/rope)

@@ -1,7 +1,7 @@
 """The two implementations of every op the models run, as one frozen set each.
 
 - `triton`: the fused Triton kernels (verify route, replay / conv commit, prefill conv, norms, SwiGLU
-  activation, MoE experts, paged attention). CUDA;
+  activation, RoPE, MoE experts, paged attention). CUDA;
   on CPU they run only under TRITON_INTERPRET=1, in their tests.
 - `reference`: the unfused pure-torch route (ops/*/naive.py), op by op.
 
@@ -33,6 +33,7 @@ class Kernels:
     conv_commit: Callable             # (conv_history, windows, plan)
     moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
     silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
+    rope: Callable                    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
     # (q, k, v, scale): causal attention of a prefill chunk that starts its sequences, over its own K/V
     # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
@@ -76,6 +77,7 @@ def reference_kernels() -> Kernels:
     from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
     from deltaflash.ops.norm.naive import gated_rms_norm_ref, zero_centered_rms_norm_ref
+    from deltaflash.ops.rope.naive import apply_rope_ref
 
     return Kernels(
         name="reference",
@@ -88,6 +90,7 @@ def reference_kernels() -> Kernels:
         conv_commit=lambda history, windows, plan: conv_lanes_ref(history, windows, plan_lanes(plan)),
         moe_experts=moe_experts_ref,
         silu_mul=silu_mul_ref,
+        rope=apply_rope_ref,
         paged_attention=paged_attention_ref,
         prefill_attention=causal_block_attention,
     )
@@ -103,6 +106,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.gdn.verify import gdn_verify
     from deltaflash.ops.moe.fused_moe import fused_moe_experts
     from deltaflash.ops.norm.rms_norm import gated_rms_norm, zero_centered_rms_norm
+    from deltaflash.ops.rope.rotary import apply_rope
 
     def replay(state, log, plan: CommitPlan):
         replay_commit(state, log, plan.slot_ids, plan.accepted_nodes, plan.accepted_len, validate=False)
@@ -121,6 +125,7 @@ def triton_kernels() -> Kernels:
         conv_commit=conv,
         moe_experts=fused_moe_experts,
         silu_mul=silu_mul,
+        rope=apply_rope,
         paged_attention=paged_attention,
         prefill_attention=causal_block_attention,
     )

@@ -7,8 +7,8 @@ keys (a long prompt's later chunks) gathers them and its own rows from the pages
 SDPA's FlashAttention-2 backend (its flash kernel on CPU) instead of the paged kernel: on the H200 a
 2048-token first chunk of the 9B shape takes 0.52 ms per layer in the paged kernel (64-row x 16-key
 tiles: head dim 256 leaves no registers for larger ones) and 0.20 ms here, after 30,720 keys 15.5
-against 3.4 ms with the gather (`bench/prefill_attention.py`, docs/benchmarks.md). cuDNN's backend is not used: it builds a graph per new
-sequence length (ops/attention/naive.py), and every prompt has its own.
+against 3.4 ms with the gather (`bench/prefill_attention.py`, docs/benchmarks.md). cuDNN's backend is
+not used: it builds a graph per new sequence length (ops/attention/naive.py), and every prompt has its own.
 
 Both kernel sets run this same function (ops/kernels.py), so the fused and unfused routes stay bit for bit
 equal for prefill. A batch-invariant engine does not use it (the paged kernel's tiles are fixed; a

@@ -1,6 +1,7 @@
-"""The prefill conv, SwiGLU and RoPE kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
-under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a
-variable redefined with another shape inside an `if`): this catches that before a GPU run does."""
+"""The prefill conv, SwiGLU, RoPE and residual-norm kernels compile for the H200 (sm_90) on a machine without a
+GPU. The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them as Python and accepts code the
+compiler rejects (a variable redefined with another shape inside an `if`): this catches that before a GPU run
+does."""
 
 import os
 import subprocess
@@ -15,6 +16,7 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
+    from deltaflash.ops.norm.rms_norm import rms_norm_kernel
     from deltaflash.ops.rope.rotary import rope_kernel
 
     for dtype in ("bf16", "fp32"):
@@ -35,6 +37,12 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(rope_kernel, signature, dict(BH=16, BD=256)),
                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
         assert ".entry rope_kernel" in kernel.asm["ptx"] and "fma" not in kernel.asm["ptx"]  # no contraction
+        consts = dict(D=4096, BD=4096, GATED=False, RESIDUAL=True)  # the residual add + norm
+        signature = {n: "constexpr" if n in consts else "fp32" if n == "eps" else "i64" if n.startswith("stride")
+                     else f"*{dtype}" for n in rms_norm_kernel.arg_names}
+        kernel = triton.compile(ASTSource(rms_norm_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=8))
+        assert ".entry rms_norm_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

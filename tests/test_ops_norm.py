@@ -69,3 +69,29 @@ def test_silu_mul_matches_ref_on_column_views(I, dtype):
     else:
         torch.testing.assert_close(out, ref, **(dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else
                                                 dict(rtol=2e-2, atol=2e-2)))
+
+
+# Triton 3.6's interpreter rounds fp32 -> bf16 otherwise than torch does: bf16 bits are checked on CUDA only
+HALF = torch.float16 if INTERPRETED else torch.bfloat16
+
+
+@pytest.mark.parametrize("D,dtype", [(5, torch.float32), (96, HALF), (256, HALF)])
+def test_add_and_norm_is_the_add_then_the_norm(D, dtype):
+    """kernels.add_rms_norm: the sum is the torch add's bits, its norm the norm kernel's bits of that sum
+    (so fusing the residual add changes nothing), close to the reference; y is left as it was."""
+    from deltaflash.ops.norm.naive import add_rms_norm_ref
+    from deltaflash.ops.norm.rms_norm import add_rms_norm
+
+    g = torch.Generator().manual_seed(D + 2)
+    x = (3 * torch.randn(2, 7, D, generator=g)).to(dtype).to(DEVICE)
+    y = torch.randn(2, 7, D, generator=g).to(dtype).to(DEVICE)
+    w = (0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    kept = y.clone()
+    total, normed = add_rms_norm(x, y, w, 1e-6)
+    assert torch.equal(total, x + y) and torch.equal(y, kept)
+    assert torch.equal(normed, zero_centered_rms_norm(x + y, w, 1e-6))
+    want_total, want_normed = add_rms_norm_ref(x, y, w, 1e-6)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(normed, want_normed, **tolerance(dtype))
+    with pytest.raises(ValueError, match="do not fit"):
+        add_rms_norm(x, y[:, :3], w, 1e-6)

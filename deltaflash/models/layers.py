@@ -87,6 +87,10 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         return kernels.zero_centered_rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, y: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, this norm of it): the residual stream's add and the next layer's norm in one pass."""
+        return kernels.add_rms_norm(x, y, self.weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """Per-head output norm of the GDN layer: `w * rmsnorm(o) * silu(z)` (plain weight)."""

@@ -83,12 +83,19 @@ class Qwen35Model(nn.Module):
         return self.vocab.project(self.norm(hidden, kernels), self.linear, gather).float()
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
-        taps = []
+        """Each residual add is done by the norm that follows it (kernels.add_rms_norm: one pass), but
+        for a tapped layer's and the last layer's MLP output, added on its own."""
+        taps, pending = [], None  # pending: the previous MLP output, not yet added to x
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x, kernels)
-            x = x + self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
-            h = layer.post_attention_layernorm(x, kernels)
-            x = x + self.reduce(layer.mlp(h, kernels))
+            if pending is None:
+                h = layer.input_layernorm(x, kernels)
+            else:
+                x, h = layer.input_layernorm.add_and_norm(x, pending, kernels)
+            out = self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
+            x, h = layer.post_attention_layernorm.add_and_norm(x, out, kernels)
+            pending = self.reduce(layer.mlp(h, kernels))
+            if i in tap_layer_ids or i == len(self.layers) - 1:
+                x, pending = x + pending, None
             if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
                 taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)

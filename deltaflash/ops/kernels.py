@@ -26,6 +26,7 @@ class Kernels:
     name: str
     zero_centered_rms_norm: Callable  # (x, weight, eps)
     gated_rms_norm: Callable          # (o, z, weight, eps)
+    add_rms_norm: Callable            # (x, y, weight, eps) -> (x + y, zero-centered norm of it): residual + next norm
     conv_extend: Callable             # (rows, history, weight, n_rows) -> (out, new history): prefill
     conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
     gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
@@ -76,13 +77,14 @@ def reference_kernels() -> Kernels:
     from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
-    from deltaflash.ops.norm.naive import gated_rms_norm_ref, zero_centered_rms_norm_ref
+    from deltaflash.ops.norm.naive import add_rms_norm_ref, gated_rms_norm_ref, zero_centered_rms_norm_ref
     from deltaflash.ops.rope.naive import apply_rope_ref
 
     return Kernels(
         name="reference",
         zero_centered_rms_norm=zero_centered_rms_norm_ref,
         gated_rms_norm=gated_rms_norm_ref,
+        add_rms_norm=add_rms_norm_ref,
         conv_extend=causal_conv_extend_ref,
         conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
         gdn_verify=_writing_into(gdn_verify_ref, "out", "replay_log_out"),
@@ -105,7 +107,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.gdn.commit import conv_commit, replay_commit
     from deltaflash.ops.gdn.verify import gdn_verify
     from deltaflash.ops.moe.fused_moe import fused_moe_experts
-    from deltaflash.ops.norm.rms_norm import gated_rms_norm, zero_centered_rms_norm
+    from deltaflash.ops.norm.rms_norm import add_rms_norm, gated_rms_norm, zero_centered_rms_norm
     from deltaflash.ops.rope.rotary import apply_rope
 
     def replay(state, log, plan: CommitPlan):
@@ -118,6 +120,7 @@ def triton_kernels() -> Kernels:
         name="triton",
         zero_centered_rms_norm=zero_centered_rms_norm,
         gated_rms_norm=gated_rms_norm,
+        add_rms_norm=add_rms_norm,
         conv_extend=causal_conv_extend,
         conv_tree_step=conv_tree_step,
         gdn_verify=gdn_verify,

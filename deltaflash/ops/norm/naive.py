@@ -14,6 +14,13 @@ def zero_centered_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float
     return (xf * (1.0 + weight.float())).type_as(x)
 
 
+def add_rms_norm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the next norm: (s = x + y, zero_centered_rms_norm_ref(s))."""
+    total = x + y
+    return total, zero_centered_rms_norm_ref(total, weight, eps)
+
+
 def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate [..., D], weight [D] (gate's dtype) -> `w * rmsnorm(x) * silu(gate)`: the normed x is
     cast to gate's dtype before the weight, the gate is applied in fp32, the result is gate's dtype."""

@@ -11,18 +11,25 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x, gate, weight, y, stride_x_r, stride_g_r, eps,
-                    D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr):
+def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_r, eps,
+                    D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     """Row i_r: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered), or with GATED,
-    y = (w * normed.to(dtype)) * silu(gate) with the roundings of naive.gated_rms_norm_ref."""
+    y = (w * normed.to(dtype)) * silu(gate) with the roundings of naive.gated_rms_norm_ref. With
+    RESIDUAL (zero-centered only), x is first replaced by x + gate rounded to the dtype, which is
+    also written to `total` (the residual stream's add and the next norm in one pass)."""
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_x = tl.load(x + i_r * stride_x_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        b_r = tl.load(gate + i_r * stride_g_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_s = (b_x + b_r).to(y.dtype.element_ty)
+        tl.store(total + i_r * D + o_d, b_s, mask=m_d)
+        b_x = b_s.to(tl.float32)
     b_n = b_x * tl.math.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
     b_w = tl.load(weight + o_d, mask=m_d, other=0.0)
     dtype = y.dtype.element_ty
-    if GATED:
+    if GATED and not RESIDUAL:
         b_g = tl.load(gate + i_r * stride_g_r + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_y = (b_w.to(tl.float32) * b_n.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
@@ -37,24 +44,39 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the norm, and with `residual` x + residual, which is what is normed; else None)."""
     D = x.shape[-1]
     dtype = x.dtype if gate is None else gate.dtype
     x2 = _rows(x, D)
-    g2 = x2 if gate is None else _rows(gate, D)
+    g2 = x2 if gate is None and residual is None else _rows(gate if residual is None else residual, D)
     y = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    total = torch.empty_like(y) if residual is not None else None
     if x2.shape[0]:
         BD = triton.next_power_of_2(D)
-        rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, x2.stride(0), g2.stride(0), eps,
-                                        D=D, BD=BD, GATED=gate is not None, num_warps=min(8, max(1, BD // 512)))
-    return y.view(x.shape)
+        rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, y if total is None else total, x2.stride(0), g2.stride(0),
+                                        eps, D=D, BD=BD, GATED=gate is not None, RESIDUAL=residual is not None,
+                                        num_warps=min(8, max(1, BD // 512)))
+    return y.view(x.shape), None if total is None else total.view(x.shape)
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """naive.zero_centered_rms_norm_ref in one launch. x [..., D] (rows may be strided), weight [D]."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
-    return rms_norm_fwd(x, weight, eps)
+    return rms_norm_fwd(x, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """naive.add_rms_norm_ref in one launch: (s = x + y in x's dtype, zero_centered_rms_norm(s)). x, y
+    [..., D] of one dtype; s is a new contiguous tensor."""
+    if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (x.shape[-1],):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and weight "
+                         f"{tuple(weight.shape)} do not fit: y like x, weight [{x.shape[-1]}]")
+    normed, total = rms_norm_fwd(x, weight, eps, residual=y)
+    return total, normed
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,4 +84,4 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if gate.shape != x.shape or weight.shape != (x.shape[-1],):
         raise ValueError(f"gate must be {tuple(x.shape)} and weight [{x.shape[-1]}]; "
                          f"got {tuple(gate.shape)} and {tuple(weight.shape)}")
-    return rms_norm_fwd(x, weight, eps, gate)
+    return rms_norm_fwd(x, weight, eps, gate)[0]

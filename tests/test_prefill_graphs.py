@@ -69,6 +69,21 @@ class _Eager:
         return (self.fn(*inputs),)
 
 
+def second_arrives_while_first_decodes(engine, batch, params, one_step=False) -> list[list[int]]:
+    """Both prompts' tokens: the first added to an idle engine and stepped once (`one_step`: it must
+    emit in that step, prefilled whole), the second added then, both run to the end."""
+    first = engine.add_request(batch[0], params)
+    events = engine.step()
+    if one_step:
+        assert [ev.request_id for ev in events if ev.token_ids] == [first]  # prefilled in one step
+    second = engine.add_request(batch[1], params)
+    got = {first: [t for ev in events for t in ev.token_ids], second: []}
+    while engine.has_work():
+        for ev in engine.step():
+            got[ev.request_id] += ev.token_ids
+    return [got[first], got[second]]
+
+
 def test_padded_chunked_rule_equals_the_packed_one():
     """Padding rows (g = beta = 0) after a lane's valid rows change none of its outputs or its final
     state; a lane of padding only keeps its initial state."""
@@ -153,18 +168,8 @@ def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
     engine = engine_for(pair[0], pair[1], **config)
     replays = Replays(engine.runner)
     assert engine.runner.prefill_graphs[256].buckets == (1,)
-    outputs = {}
-    for e in (plain, engine):
-        first = e.add_request(batch[0], params)
-        events = e.step()
-        assert [ev.request_id for ev in events if ev.token_ids] == [first]  # prefilled in one step
-        second = e.add_request(batch[1], params)
-        got = {first: [t for ev in events for t in ev.token_ids], second: []}
-        while e.has_work():
-            for ev in e.step():
-                got[ev.request_id] += ev.token_ids
-        outputs[e] = [got[first], got[second]]
-    assert outputs[engine] == outputs[plain]
+    assert second_arrives_while_first_decodes(engine, batch, params, one_step=True) == \
+        second_arrives_while_first_decodes(plain, batch, params, one_step=True)
     assert replays.shapes[0] == 256 and replays.shapes[1:] and set(replays.shapes[1:]) <= {64}
 
 
@@ -182,17 +187,8 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
     engine = engine_for(pair[0], pair[1], **config)
     replays = Replays(engine.runner)
     assert set(engine.runner.fresh_prefill_graphs) == {T}
-    outputs = {}
-    for e in (plain, engine):
-        first = e.add_request(batch[0], params)
-        events = e.step()
-        second = e.add_request(batch[1], params)
-        got = {first: [t for ev in events for t in ev.token_ids], second: []}
-        while e.has_work():
-            for ev in e.step():
-                got[ev.request_id] += ev.token_ids
-        outputs[e] = [got[first], got[second]]
-    assert outputs[engine] == outputs[plain]
+    assert second_arrives_while_first_decodes(engine, batch, params) == \
+        second_arrives_while_first_decodes(plain, batch, params)
     assert (replays.shapes[0], replays.fresh[0]) == (T, True)
     assert replays.shapes[1:] and not any(replays.fresh[1:])
 

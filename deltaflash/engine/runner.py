@@ -124,6 +124,9 @@ class ModelRunner:
         self.kernels = kernels_named(config.kernels)
         if config.batch_invariant:  # a prefill chunk's attention on the paged kernel's fixed tiles too
             self.kernels = dataclasses.replace(self.kernels, prefill_attention=None)
+        # prefill chunks may attend over dense K/V (ops/attention/dense.py; the model decides per chunk)
+        self.dense_prefill = self.kernels.prefill_attention is not None and \
+            dense_attention.supports(self.dtype, self.device, model.cfg.head_dim)
         self.page_plan = self._plan_pages(config, drafter)
         if config.tensor_parallel_size > 1:  # every rank's scheduler plans over the same pool
             fewest = tensor_parallel.smallest(self.page_plan.num_pages, self.device)
@@ -159,14 +162,12 @@ class ModelRunner:
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
-            fresh = self.kernels.prefill_attention is not None and \
-                dense_attention.supports(self.dtype, self.device, self.cfg.head_dim)
             for T, lanes in prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len,
                                            config.idle_prefill_tokens):
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
-                if fresh and T >= FRESH_PREFILL_MIN_ROWS:
+                if self.dense_prefill and T >= FRESH_PREFILL_MIN_ROWS:
                     first_chunks = functools.partial(self._prefill_rows, starts_sequences=True)
                     self.fresh_prefill_graphs[T] = self.graphs.add(f"first prefill chunk of {T} rows", first_chunks,
                                                                    inputs, lanes)
@@ -235,7 +236,7 @@ class ModelRunner:
                 self.model.verify(batch, probe, self.kernels, taps)
             torch.cuda.synchronize(self.device)
             peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
-        if self.kernels.prefill_attention is not None:  # a long prompt's later chunk gathers its context
+        if self.dense_prefill:  # a long prompt's later chunk gathers its context
             peaks[0] += dense_attention.gather_bytes(config.max_model_len, self.cfg.num_kv_heads, self.cfg.head_dim,
                                                      self.dtype)
         del probe, source
@@ -341,8 +342,9 @@ class ModelRunner:
     def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, bool]:
         """Run the chunks (`alone`: the step decodes nothing); returns (the first tokens [n, 1] of the
         chunks that complete their prompt, or None; whether a prefill graph ran them)."""
-        long_context = alone and len(chunks) == 1 and chunks[0].start >= EAGER_DENSE_MIN_CONTEXT \
-            and self.kernels.prefill_attention is not None
+        one = chunks[0]
+        long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
+            and dense_attention.gathers(one.start, len(one.tokens))
         logits = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
         graphed = logits is not None
         if logits is None:

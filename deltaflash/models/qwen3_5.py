@@ -100,28 +100,24 @@ class Qwen35Model(nn.Module):
                 taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)
 
-    def _starts_sequences(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor) -> bool:
-        """Whether this chunk's attention can run over its own K/V (AttentionRows.fresh): every live lane
-        starts at position 0, by the host mirrors (a fixed-shape batch has none: it says so itself)."""
+    def _dense_route(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor, pool: SlotPool
+                     ) -> tuple[bool, torch.Tensor | None]:
+        """(AttentionRows.fresh, .dense_keys) of this chunk: fresh when every live lane starts at position
+        0 (by the host mirrors; a fixed-shape batch has none and says so itself); dense_keys, the storage
+        rows [1, S] of keys 0..S-1, for a one-lane chunk after committed keys within dense.gathers' bounds
+        (all its rows valid: they are the run's last). Neither without kernels.prefill_attention."""
         if kernels.prefill_attention is None or not dense_attention.supports(x.dtype, x.device, self.cfg.head_dim):
-            return False
+            return False, None
         if not batch.start_host:
-            return batch.starts_sequences
+            return batch.starts_sequences, None
         starts = [s for s, slot in zip(batch.start_host, batch.slot_ids_host) if slot >= 0]
-        return bool(starts) and not any(starts)
-
-    def _dense_keys(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor, pool: SlotPool) -> torch.Tensor | None:
-        """Storage rows [1, S] of keys 0..S-1 for a one-lane chunk after committed keys, whose attention
-        runs over them gathered into one dense run (AttentionRows.dense_keys), or None: a first chunk, a
-        batch of several lanes or without host mirrors, too few rows or too many keys (dense.py's bounds)."""
-        if len(batch.start_host) != 1 or batch.slot_ids_host[0] < 0 or batch.start_host[0] == 0:
-            return None
-        if kernels.prefill_attention is None or not dense_attention.supports(x.dtype, x.device, self.cfg.head_dim):
-            return None
-        n, S = batch.n_rows_host[0], batch.start_host[0] + batch.n_rows_host[0]
-        if n < dense_attention.MIN_DENSE_ROWS or S > dense_attention.MAX_DENSE_KEYS or n != x.shape[1]:
-            return None
-        return pool.tables.rows(batch.slot_ids[:1], torch.arange(S, device=x.device)[None])
+        if starts and not any(starts):
+            return True, None
+        if len(batch.start_host) == 1 and batch.slot_ids_host[0] >= 0 and batch.n_rows_host[0] == x.shape[1] \
+                and dense_attention.gathers(batch.start_host[0], batch.n_rows_host[0]):
+            S = batch.start_host[0] + batch.n_rows_host[0]
+            return False, pool.tables.rows(batch.slot_ids[:1], torch.arange(S, device=x.device)[None])
+        return False, None
 
     @torch.inference_mode()
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
@@ -133,11 +129,11 @@ class Qwen35Model(nn.Module):
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
         rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
+        fresh, dense_keys = self._dense_route(batch, kernels, x, pool)
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
                              slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
-                             max_pages=pool.tables.pages_to_read(kmax), split=False,
-                             fresh=self._starts_sequences(batch, kernels, x),
-                             dense_keys=self._dense_keys(batch, kernels, x, pool))
+                             max_pages=pool.tables.pages_to_read(kmax), split=False, fresh=fresh,
+                             dense_keys=dense_keys)
 
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731

@@ -37,6 +37,12 @@ def gather_bytes(max_model_len: int, kv_heads: int, head_dim: int, dtype: torch.
     return 2 * keys * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+def gathers(start: int, rows: int) -> bool:
+    """Whether a one-lane chunk of `rows` rows after `start` committed keys runs the dense route over its
+    gathered context (MIN_DENSE_ROWS, MAX_DENSE_KEYS); the model and the runner's graph choice ask this."""
+    return start > 0 and rows >= MIN_DENSE_ROWS and start + rows <= MAX_DENSE_KEYS
+
+
 def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether the flash backend takes these rows (CUDA: half precision only; CPU: any float)."""
     if head_dim > MAX_HEAD_DIM:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import re
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +29,17 @@ try:
     from deltaflash.core.request import SamplingParams
 except ImportError:  # trees before the core/ package
     from deltaflash.engine.request import SamplingParams
+
+
+def kernel_name(key: str, width: int = 110) -> str:
+    """A device kernel's name with torch's template noise taken out, so an elementwise kernel shows its
+    functor (`elementwise_kernel<..., MulFunctor<float>>`, not 90 characters of `at::native::`)."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "gpu_kernel_impl_nocast", "gpu_kernel_impl",
+                  "binary_internal::", "c10::", "at::TensorIteratorBase&", "std::", "unsigned int"):
+        key = key.replace(noise, "")
+    key = re.sub(r"\(int\)#\d+\}", "", key)
+    key = re.sub(r"\s+", " ", key)
+    return key[:width]
 
 
 def sync() -> None:
@@ -104,7 +116,7 @@ def ttft_profile(engine, args) -> None:
     if kernels:
         print("  device kernels by time per request (us, launches per request):")
         for e in kernels[:args.rows]:
-            print(f"    {e.self_device_time_total / 10:8.1f}  {e.count / 10:6.1f}  {e.key[:90]}")
+            print(f"    {e.self_device_time_total / 10:8.1f}  {e.count / 10:6.1f}  {kernel_name(e.key)}")
     host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
     print("  host ops by self CPU time per request (us, calls per request):")
     for e in host[:args.rows]:
@@ -206,7 +218,7 @@ def main() -> None:
                      key=lambda e: -e.self_device_time_total)
     print("  device kernels by time per step (us, launches per step):")
     for e in kernels[:10]:
-        print(f"    {e.self_device_time_total / args.steps:8.1f}  {e.count / args.steps:6.1f}  {e.key[:90]}")
+        print(f"    {e.self_device_time_total / args.steps:8.1f}  {e.count / args.steps:6.1f}  {kernel_name(e.key)}")
     if args.python:  # the host side by Python function: which of the engine's own code a step spends
         import cProfile
         import pstats

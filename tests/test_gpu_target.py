@@ -9,28 +9,30 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
 from deltaflash.models.loader import load_model
 from deltaflash.ops.kernels import triton_kernels
-from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_ref, chunk_gated_delta_rule_varlen, l2_normalize
+from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_ref, chunk_gated_delta_rule_varlen, gdn_gates, l2_normalize
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_fla_varlen_prefill_matches_reference():
+    """fla-core's chunked rule, its gates computed in its kernels from the raw inputs, against the torch
+    reference of the same rows (normalised q, k; gates by gdn_gates)."""
     torch.manual_seed(0)
     H, dk, dv, lens = 4, 64, 64, [1, 37, 130]
     N = sum(lens)
-    q = torch.randn(N, H, dk, device="cuda")  # raw: both routes normalise
-    k = torch.randn(N, H, dk, device="cuda")
+    q = l2_normalize(torch.randn(N, H, dk, device="cuda"))
+    k = l2_normalize(torch.randn(N, H, dk, device="cuda"))
     v = torch.randn(N, H, dv, device="cuda")
-    g = -torch.rand(N, H, device="cuda")
-    beta = torch.rand(N, H, device="cuda")
+    a, b = torch.randn(N, H, device="cuda"), torch.randn(N, H, device="cuda")
+    A_log, dt_bias = torch.randn(H, device="cuda") * 0.5, torch.randn(H, device="cuda")
     s0 = torch.randn(len(lens), H, dk, dv, device="cuda")
-    o, s = chunk_gated_delta_rule_varlen(q, k, v, g, beta, s0, lens)
+    o, s = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, s0, lens)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     row = 0
     for i, n in enumerate(lens):
-        qn, kn = l2_normalize(q[row:row + n]) * dk ** -0.5, l2_normalize(k[row:row + n])
-        o_ref, s_ref = chunk_gated_delta_rule_ref(qn, kn, v[row:row + n], g[row:row + n],
-                                                  beta[row:row + n], s0[i])
+        o_ref, s_ref = chunk_gated_delta_rule_ref(q[row:row + n] * dk ** -0.5, k[row:row + n], v[row:row + n],
+                                                  g[row:row + n], beta[row:row + n], s0[i])
         assert torch.allclose(o[row:row + n], o_ref, atol=2e-3, rtol=2e-3)
         assert torch.allclose(s[i], s_ref, atol=2e-3, rtol=2e-3)
         row += n

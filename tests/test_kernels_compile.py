@@ -21,12 +21,13 @@ SCRIPT = textwrap.dedent("""
 
     for dtype in ("bf16", "fp32"):
         pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", weight=f"*{dtype}", n_rows="*i64",
-                        out=f"*{dtype}", new_history=f"*{dtype}")
-        consts = dict(K=4, BT=32, BC=128, BK=4)
-        signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in conv_extend_kernel.arg_names}
-        kernel = triton.compile(ASTSource(conv_extend_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4))
-        assert ".entry conv_extend_kernel" in kernel.asm["ptx"]
+                        out=f"*{dtype}", k_out=f"*{dtype}", v_out=f"*{dtype}", new_history=f"*{dtype}", eps="fp32")
+        for heads, rep in ((False, 1), (True, 1), (True, 2)):  # plain conv; q / k / v heads, grouped or not
+            consts = dict(K=4, BT=32, BC=128, BK=4, HEADS=heads, REP=rep)
+            signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in conv_extend_kernel.arg_names}
+            kernel = triton.compile(ASTSource(conv_extend_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=4, enable_fp_fusion=False))
+            assert ".entry conv_extend_kernel" in kernel.asm["ptx"]
         signature = dict(gate=f"*{dtype}", up=f"*{dtype}", out=f"*{dtype}", stride_g="i64", stride_u="i64", I="i32",
                          BI="constexpr")
         kernel = triton.compile(ASTSource(silu_mul_kernel, signature, dict(BI=1024)), target=GPUTarget("cuda", 90, 32),

@@ -176,6 +176,22 @@ def test_conv_extend_bitwise_equals_ref(ops, L, T, C, dtype):
     assert torch.equal(out, out_ref), f"max diff {(out.float() - out_ref.float()).abs().max()}"
 
 
+@pytest.mark.parametrize("nk,nv,dk,T", [(16, 32, 128, 2048), (2, 2, 64, 77)])
+def test_conv_extend_heads_equals_ref(ops, nk, nv, dk, T):
+    """The prefill conv with the chunked rule's head split: v and the history bit for bit with the torch
+    route, the normalised q / k within a rounding (the sum of squares runs in the kernel's order)."""
+    from deltaflash.ops.conv.extend import conv_extend_heads, conv_extend_heads_ref
+    from tests.test_ops_verify import make_extend
+
+    L, C = 5, 2 * nk * dk + nv * dk
+    rows, history, weight, n_rows = (t.to(DEV) for t in make_extend(L, T, C, torch.bfloat16, seed=T))
+    got = conv_extend_heads(rows, history, weight, n_rows, nk, nv, dk)
+    ref = conv_extend_heads_ref(rows, history, weight, n_rows, nk, nv, dk)
+    assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[3])
+    for a, b in zip(got[:2], ref[:2]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-3)
+
+
 def test_conv_commit_bitwise_equals_ref(ops):
     L, W, C = 4, 8, 1000
     c = make_conv(L, W, C, torch.bfloat16, seed=10)

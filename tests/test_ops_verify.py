@@ -475,6 +475,35 @@ def test_conv_extend_kernel_matches_ref(L, T, C, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("nk,nv,dk,dv,T,dtype", [(2, 4, 8, 6, 7, torch.float32), (3, 3, 16, 16, 33, torch.float32),
+                                                 (1, 2, 16, 8, 12, torch.float16)])
+def test_conv_extend_heads_kernel_matches_ref(nk, nv, dk, dv, T, dtype):
+    """The prefill conv split into the chunked rule's inputs: q, k normalised per key head and repeated for
+    the value heads that read them, v as it is, the lanes' new history; padding lanes and short lanes too."""
+    from deltaflash.ops.conv.extend import conv_extend_heads, conv_extend_heads_ref
+
+    L, C = 4, 2 * nk * dk + nv * dv
+    rows, history, weight, n_rows = make_extend(L, T, C, dtype, seed=dk + T)
+    got = conv_extend_heads(rows, history, weight, n_rows, nk, nv, dk)
+    ref = conv_extend_heads_ref(rows, history, weight, n_rows, nk, nv, dk)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    for name, a, b in zip(("q", "k", "v", "history"), got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+    assert torch.equal(got[3], ref[3])  # the raw inputs, moved
+    q = got[0].float()
+    torch.testing.assert_close(q.norm(dim=-1)[n_rows[0]:].mean(), torch.tensor(1.0), rtol=1e-2, atol=1e-2)
+
+
+def test_conv_extend_heads_refuses_channels_that_do_not_split():
+    from deltaflash.ops.conv.extend import conv_extend_heads_ref
+
+    rows, history, weight, n_rows = make_extend(2, 5, 40, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="40 channels"):
+        conv_extend_heads_ref(rows, history, weight, n_rows, 2, 3, 8)  # v: 8 channels for 3 heads
+
+
+@interpreted
 def test_conv_commit_kernel_equals_ref_on_tree_paths():
     c = make_conv(L=4, W=6, C=40, seed=16)
     L, W = 4, 6

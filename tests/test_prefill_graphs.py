@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import FRESH_PREFILL_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
 from deltaflash.ops.attention.paged import paged_attention_kernel
-from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen
+from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize
 from deltaflash.server.metrics import Metrics
 from tests.spec_pairs import DEVICE, engine_for, pairs_by_kind, prompts
 
@@ -85,21 +85,22 @@ def second_arrives_while_first_decodes(engine, batch, params, one_step=False) ->
 
 
 def test_padded_chunked_rule_equals_the_packed_one():
-    """Padding rows (g = beta = 0) after a lane's valid rows change none of its outputs or its final
-    state; a lane of padding only keeps its initial state."""
+    """Padding rows (raw gate inputs -inf: g = beta = 0) after a lane's valid rows change none of its
+    outputs or its final state; a lane of padding only keeps its initial state."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
     L, T, H, dk, dv = 3, 130, 2, 16, 16
     n = [7, 130, 0]
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
-    q, k, v = rand(L, T, H, dk), rand(L, T, H, dk), rand(L, T, H, dv)
-    gate, beta = -rand(L, T, H).abs() * 0.1, rand(L, T, H).sigmoid()
+    q, k = (l2_normalize(rand(L, T, H, dk)) for _ in range(2))
+    v = rand(L, T, H, dv)
+    a, b, A_log, dt_bias = rand(L, T, H), rand(L, T, H), rand(H) * 0.1, rand(H)
     state = rand(L, H, dk, dv) * 0.1
-    o, final = chunk_gated_delta_rule_padded(q, k, v, gate, beta, state, torch.tensor(n, device=device))
+    o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, state, torch.tensor(n, device=device))
     live = [i for i in range(L) if n[i]]
     pack = lambda t: torch.cat([t[i, :n[i]] for i in live])  # noqa: E731
-    o_ref, final_ref = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(gate), pack(beta), state[live],
-                                                     [n[i] for i in live])
+    o_ref, final_ref = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(a), pack(b), A_log, dt_bias,
+                                                     state[live], [n[i] for i in live])
     torch.testing.assert_close(pack(o), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[live], final_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[2], state[2], rtol=0, atol=1e-6)

@@ -228,15 +228,18 @@ def test_a_batch_invariant_engine_keeps_prefill_on_the_pages(dense_folder):
 
 def test_bf16_extend_of_one_row_and_of_a_chunk(dense_folder):
     """The GDN layers' output buffer is the activation dtype: a bf16 chunk and a bf16 one-row extend
-    (the recurrent step computes in fp32) both write it, and agree with fp32 to bf16 rounding."""
+    (the recurrent step computes in fp32) both write it, and agree with fp32 to bf16 rounding: within 8%
+    of the largest logit in this random model (measured 4.8-5.8% for either; a wrong buffer dtype or a
+    lost state write is off by the whole logit range)."""
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(dense_folder, device="cpu", dtype=dtype, progress=False)
         pool = SlotPool(model.cfg, 2, 64, dtype, "cpu")
-        model.extend(ExtendBatch.build([(0, 0, [5, 9, 2, 7])], "cpu"), pool, reference_kernels())
-        logits[dtype], _ = model.extend(ExtendBatch.build([(0, 4, [11])], "cpu"), pool, reference_kernels())
-    want, got = logits[torch.float32], logits[torch.bfloat16]
-    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+        chunk, _ = model.extend(ExtendBatch.build([(0, 0, [5, 9, 2, 7])], "cpu"), pool, reference_kernels())
+        row, _ = model.extend(ExtendBatch.build([(0, 4, [11])], "cpu"), pool, reference_kernels())
+        logits[dtype] = (chunk, row)
+    for want, got in zip(logits[torch.float32], logits[torch.bfloat16]):
+        assert (got.float() - want).abs().max().item() <= 0.08 * want.abs().max().item()
 
 
 def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypatch):

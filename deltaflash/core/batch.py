@@ -68,6 +68,13 @@ class ExtendBatch:
         return [i for i, s in enumerate(self.slot_ids_host) if s >= 0]
 
     @property
+    def full_host(self) -> bool:
+        """By the host mirrors: every lane has a slot and all T rows (packing the rows is then a view)."""
+        T = self.input_ids.shape[1]
+        return bool(self.slot_ids_host) and all(s >= 0 for s in self.slot_ids_host) \
+            and all(n == T for n in self.n_rows_host)
+
+    @property
     def num_lanes(self) -> int:
         return self.input_ids.shape[0]
 

@@ -14,9 +14,7 @@ from deltaflash.ops.gdn.chunk import (
     chunk_gated_delta_rule_padded,
     chunk_gated_delta_rule_varlen,
     gdn_gates,
-    l2_normalize,
     recurrent_gated_delta_step_ref,
-    value_heads,
 )
 
 
@@ -50,15 +48,15 @@ class GatedDeltaNet(MergedProjections):
         return (q.unflatten(-1, (self.nk, self.dk)), k.unflatten(-1, (self.nk, self.dk)),
                 v.unflatten(-1, (self.nv, self.dv)))
 
-    def _qk_for_values(self, q, k):
-        """Normalise q, k in fp32 (q scaled by dk^-0.5) and repeat key heads for their value heads."""
-        q = l2_normalize(q) * self.dk ** -0.5
-        return value_heads(q, self.nv), value_heads(l2_normalize(k), self.nv)
-
     def _output(self, o: torch.Tensor, z: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """o [..., nv, dv], z [..., nv*dv] -> out_proj(gated norm)."""
         o = self.norm(o.to(z.dtype), z.unflatten(-1, (self.nv, self.dv)), kernels)
         return self.out_proj(o.flatten(-2))
+
+    def _conv(self, qkv, history, n_rows, kernels: Kernels):
+        """The short conv of the rows into the chunked rule's inputs: (q, k normalised per value head, v,
+        the lanes' new conv history); ops/conv/extend.py."""
+        return kernels.conv_extend_heads(qkv, history, self.conv_weight, n_rows, self.nk, self.nv, self.dk)
 
     def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
         """x [L, T, H] normed hidden. Reads and writes the lanes' conv history and recurrent state."""
@@ -66,30 +64,38 @@ class GatedDeltaNet(MergedProjections):
         if batch.state_slots is not None:
             return self._extend_padded(x, batch, pool, kernels)
         g_i = self.gdn_index
+        qkv, z, b, a = self.project(x)  # column views of one GEMM output
+        full = batch.full_host  # every lane live with T rows: no gathers, no scatters
         lane_idx = batch.live_lanes
         slot_idx = batch.slot_ids[lane_idx]
-        qkv, z, b, a = self.project(x)  # column views of one GEMM output
+        if full:
+            history = pool.conv_history[batch.slot_ids, g_i]
+        else:
+            history = torch.zeros(L, *pool.conv_history.shape[2:], dtype=pool.conv_history.dtype, device=x.device)
+            history[lane_idx] = pool.conv_history[slot_idx, g_i]
+        q, k, v, new_history = self._conv(qkv, history, batch.n_rows, kernels)
+        pool.conv_history[slot_idx, g_i] = (new_history if full else new_history[lane_idx]).to(pool.conv_history.dtype)
 
-        history = torch.zeros(L, *pool.conv_history.shape[2:], dtype=pool.conv_history.dtype, device=x.device)
-        history[lane_idx] = pool.conv_history[slot_idx, g_i]
-        conv_out, new_history = kernels.conv_extend(qkv, history, self.conv_weight, batch.n_rows)
-        pool.conv_history[slot_idx, g_i] = new_history[lane_idx].to(pool.conv_history.dtype)
-
-        q, k, v = self._split_qkv(conv_out)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         state = pool.recurrent_state[slot_idx, g_i]  # gathered copy [L', nv, dk, dv]
-        o = torch.zeros(L, T, self.nv, self.dv, dtype=v.dtype, device=x.device)  # what the gated norm takes
         if T == 1:
-            q, k = self._qk_for_values(q[lane_idx, 0], k[lane_idx, 0])
-            o[lane_idx, 0] = recurrent_gated_delta_step_ref(
-                q, k, v[lane_idx, 0].float(), g[lane_idx, 0], beta[lane_idx, 0], state).to(o.dtype)
-        else:  # key heads as they are (the chunked rule repeats them for its value heads)
+            g, beta = gdn_gates(a[lane_idx, 0], b[lane_idx, 0], self.A_log, self.dt_bias)
+            o_live = recurrent_gated_delta_step_ref(q[lane_idx, 0].float() * self.dk ** -0.5, k[lane_idx, 0].float(),
+                                                    v[lane_idx, 0].float(), g, beta, state).to(v.dtype)[:, None]
+        else:
             lens = [batch.n_rows_host[i] for i in batch.live_lanes_host]
-            pack = lambda t: t.flatten(0, 1)[batch.packed_rows]  # noqa: E731  [L, T, ...] -> valid rows [N, ...]
-            o_packed, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(g), pack(beta), state, lens,
-                                                            batch.cu_seqlens, batch.cu_seqlens_host)
-            o.flatten(0, 1)[batch.packed_rows] = o_packed
+            pack = (lambda t: t.flatten(0, 1)) if full else (lambda t: t.flatten(0, 1)[batch.packed_rows])  # noqa: E731
+            o_live, state = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(a), pack(b), self.A_log,
+                                                          self.dt_bias, state, lens, batch.cu_seqlens,
+                                                          batch.cu_seqlens_host)
         pool.recurrent_state[slot_idx, g_i] = state
+        if full:
+            o = o_live.view(L, T, self.nv, self.dv)
+        else:  # what the gated norm takes: zeros at padding rows
+            o = torch.zeros(L, T, self.nv, self.dv, dtype=v.dtype, device=x.device)
+            if T == 1:
+                o[lane_idx] = o_live
+            else:
+                o.flatten(0, 1)[batch.packed_rows] = o_live
         return self._output(o, z, kernels)
 
     def _extend_padded(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
@@ -99,12 +105,10 @@ class GatedDeltaNet(MergedProjections):
         live = (batch.slot_ids >= 0)[:, None, None]
         qkv, z, b, a = self.project(x)
         history = pool.conv_history[slots, g_i]
-        conv_out, new_history = kernels.conv_extend(qkv, history, self.conv_weight, batch.n_rows)
+        q, k, v, new_history = self._conv(qkv, history, batch.n_rows, kernels)
         pool.conv_history[slots, g_i] = torch.where(live, new_history.to(history.dtype), history)
-        q, k, v = self._split_qkv(conv_out)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         state = pool.recurrent_state[slots, g_i]
-        o, final = chunk_gated_delta_rule_padded(q, k, v, g, beta, state, batch.n_rows)
+        o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, self.A_log, self.dt_bias, state, batch.n_rows)
         pool.recurrent_state[slots, g_i] = torch.where(live[..., None], final, state)
         return self._output(o, z, kernels)
 

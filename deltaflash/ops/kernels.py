@@ -27,7 +27,7 @@ class Kernels:
     zero_centered_rms_norm: Callable  # (x, weight, eps)
     gated_rms_norm: Callable          # (o, z, weight, eps)
     add_rms_norm: Callable            # (x, y, weight, eps) -> (x + y, zero-centered norm of it): residual + next norm
-    conv_extend: Callable             # (rows, history, weight, n_rows) -> (out, new history): prefill
+    conv_extend_heads: Callable       # (rows, history, weight, n_rows, nk, nv, dk) -> (q, k, v, new history): prefill
     conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
     gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
     replay_commit: Callable           # (recurrent_state, replay_log, plan)
@@ -73,7 +73,7 @@ def reference_kernels() -> Kernels:
     from deltaflash.ops.activation.naive import silu_mul_ref
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.naive import paged_attention_ref
-    from deltaflash.ops.conv.extend import causal_conv_extend_ref
+    from deltaflash.ops.conv.extend import conv_extend_heads_ref
     from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
@@ -85,7 +85,7 @@ def reference_kernels() -> Kernels:
         zero_centered_rms_norm=zero_centered_rms_norm_ref,
         gated_rms_norm=gated_rms_norm_ref,
         add_rms_norm=add_rms_norm_ref,
-        conv_extend=causal_conv_extend_ref,
+        conv_extend_heads=conv_extend_heads_ref,
         conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
         gdn_verify=_writing_into(gdn_verify_ref, "out", "replay_log_out"),
         replay_commit=lambda state, log, plan: replay_lanes_ref(state, log, plan_lanes(plan)),
@@ -102,7 +102,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.paged import paged_attention
-    from deltaflash.ops.conv.extend import causal_conv_extend
+    from deltaflash.ops.conv.extend import conv_extend_heads
     from deltaflash.ops.conv.tree_step import conv_tree_step
     from deltaflash.ops.gdn.commit import conv_commit, replay_commit
     from deltaflash.ops.gdn.verify import gdn_verify
@@ -121,7 +121,7 @@ def triton_kernels() -> Kernels:
         zero_centered_rms_norm=zero_centered_rms_norm,
         gated_rms_norm=gated_rms_norm,
         add_rms_norm=add_rms_norm,
-        conv_extend=causal_conv_extend,
+        conv_extend_heads=conv_extend_heads,
         conv_tree_step=conv_tree_step,
         gdn_verify=gdn_verify,
         replay_commit=replay,

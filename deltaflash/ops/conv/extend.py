@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from deltaflash.ops.conv.naive import check_rows_and_weight
-from deltaflash.ops.gdn.verify import exact_exp
+from deltaflash.ops.gdn.chunk import l2_normalize
+from deltaflash.ops.gdn.verify import exact_exp, exact_rsqrt
 
 
 def check_extend_shapes(rows, history, weight, n_rows):
@@ -49,21 +50,28 @@ def causal_conv_extend_ref(rows: torch.Tensor, history: torch.Tensor, weight: to
 
 @triton.jit(do_not_specialize=["T"])  # prefill chunks come in every length
 def conv_extend_kernel(
-    rows, history, weight, n_rows, out, new_history,
+    rows, history, weight, n_rows, out, k_out, v_out, new_history,
     stride_r_l, stride_r_t, stride_r_c,
     stride_h_l, stride_h_c, stride_h_t,
     stride_w_c, stride_w_t,
-    T, C,
+    T, C, DK, KD, eps,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    HEADS: tl.constexpr, REP: tl.constexpr,
 ):
-    """One program: rows [i_t * BT, +BT) x channels [i_c * BC, +BC) of lane i_l. Tap j of row t reads
+    """One program: rows [i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC). Tap j of row t reads
     the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j).
-    The first row tile's program also writes the lane's new history (the inputs at n - (K-1) + i)."""
+    The first row tile's program also writes the lane's new history (the inputs at n - (K-1) + i).
+    Without HEADS the outputs go to out [L, T, C]. With HEADS a tile is one key head (DK = dk): below KD
+    channels q, below 2 KD k, each L2-normalised over the head (fp32 from the rounded conv output, one
+    rounding) and stored to REP value heads of out / k_out [L, T, REP * KD / DK, DK]; the rest is v,
+    stored as it is to v_out [L, T, C - 2 KD]."""
     i_c, i_t, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
-    o_c = i_c * BC + tl.arange(0, BC)
+    o_d = tl.arange(0, BC)
+    o_c = i_c * DK + o_d
     o_t = i_t * BT + tl.arange(0, BT)
-    m_c = o_c < C
+    m_c = (o_d < DK) & (o_c < C)
+    m_t = o_t < T
     p_rows = rows + i_l * stride_r_l + o_c[None, :].to(tl.int64) * stride_r_c
     p_hist = history + i_l * stride_h_l + o_c[None, :].to(tl.int64) * stride_h_c
     b_acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -75,9 +83,24 @@ def conv_extend_kernel(
         b_x = tl.where(src >= 0, b_xr, b_xh.to(rows.dtype.element_ty))
         b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
         b_acc = b_acc + b_w[None, :] * b_x.to(tl.float32)
-    b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc))  # silu
-    p_out = out + (i_l * T + o_t[:, None]) * C + o_c[None, :]
-    tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_c[None, :] & (o_t[:, None] < T))
+    dtype = out.dtype.element_ty
+    b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc)).to(dtype)  # silu, rounded
+    m_o = m_c[None, :] & m_t[:, None]
+    if not HEADS:
+        tl.store(out + (i_l * T + o_t[:, None]) * C + o_c[None, :], b_o, mask=m_o)
+    elif i_c * DK < 2 * KD:  # a q or k head: normalised, one copy per value head that reads it
+        b_n = b_o.to(tl.float32)
+        b_n = (b_n * exact_rsqrt(tl.sum(b_n * b_n, axis=1) + eps)[:, None]).to(dtype)
+        o_r = (i_l * T + o_t[:, None]).to(tl.int64) * (REP * KD) + o_d[None, :]  # row starts
+        if i_c * DK < KD:
+            p_o = out + o_r + i_c * REP * DK
+        else:
+            p_o = k_out + o_r + (i_c * DK - KD) * REP
+        for r in tl.static_range(REP):  # key head h feeds value heads h * REP + r
+            tl.store(p_o + r * DK, b_n, mask=m_o)
+    else:
+        VD = C - 2 * KD
+        tl.store(v_out + (i_l * T + o_t[:, None]).to(tl.int64) * VD + (o_c[None, :] - 2 * KD), b_o, mask=m_o)
     if i_t == 0:
         n = tl.load(n_rows + i_l).to(tl.int32)
         o_k = tl.arange(0, BK)
@@ -90,25 +113,80 @@ def conv_extend_kernel(
         tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k)
 
 
-def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
-    """Fused causal_conv_extend_ref (same arguments and results; rows may be a strided view, history
-    any layout). One launch, no host sync."""
-    check_extend_shapes(rows, history, weight, n_rows)
-    for name, t in (("history", history), ("weight", weight), ("n_rows", n_rows)):
+def check_device(rows: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
         if t.device != rows.device:
             raise ValueError(f"{name} is on {t.device}, rows on {rows.device}")
+
+
+def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, rep: int, tiles):
     L, T, C = rows.shape
     K = weight.shape[1]
-    out = torch.empty(L, T, C, dtype=rows.dtype, device=rows.device)
     new_history = torch.empty(L, C, K - 1, dtype=rows.dtype, device=rows.device)
-    if L == 0 or T == 0:
-        return out, new_history
-    BT, BC = 32, min(triton.next_power_of_2(C), 128)
-    conv_extend_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT), L)](
-        rows, history, weight, n_rows, out, new_history,
-        *rows.stride(), *history.stride(), *weight.stride(),
-        T, C,
-        K=K, BT=BT, BC=BC, BK=triton.next_power_of_2(K - 1),
-        num_warps=4, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
-    )
+    if L and T:
+        BT, num_warps = tiles
+        out, k_out, v_out = outs
+        conv_extend_kernel[(triton.cdiv(C, DK), triton.cdiv(T, BT), L)](
+            rows, history, weight, n_rows, out, k_out, v_out, new_history,
+            *rows.stride(), *history.stride(), *weight.stride(),
+            T, C, DK, KD, L2_EPS,
+            K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=triton.next_power_of_2(K - 1), HEADS=heads, REP=rep,
+            num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+        )
+    return new_history
+
+
+def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor,
+                       tiles: tuple[int, int] = (32, 4)):
+    """Fused causal_conv_extend_ref (same arguments and results; rows may be a strided view, history
+    any layout). One launch, no host sync. tiles: (rows per program, warps)."""
+    check_extend_shapes(rows, history, weight, n_rows)
+    check_device(rows, history=history, weight=weight, n_rows=n_rows)
+    L, T, C = rows.shape
+    out = torch.empty(L, T, C, dtype=rows.dtype, device=rows.device)
+    new_history = _launch(rows, history, weight, n_rows, (out, out, out), min(triton.next_power_of_2(C), 128), 0,
+                          False, 1, tiles)
     return out, new_history
+
+
+L2_EPS = 1e-6  # as in ops/gdn (the chunked rule's and the verify kernel's q / k normalisation)
+
+
+def check_heads(C: int, key_heads: int, value_heads: int, key_dim: int) -> int:
+    """The value head dim of C = 2 * key_heads * key_dim + value_heads * dv channels."""
+    vd = C - 2 * key_heads * key_dim
+    if key_heads < 1 or value_heads % key_heads or vd <= 0 or vd % value_heads:
+        raise ValueError(f"{C} channels do not split into q, k ({key_heads} x {key_dim} each) and v "
+                         f"({value_heads} heads, a multiple of {key_heads})")
+    return vd // value_heads
+
+
+def conv_extend_heads_ref(rows, history, weight, n_rows, key_heads: int, value_heads: int, key_dim: int):
+    """causal_conv_extend_ref split into the chunked rule's inputs: (q, k [L, T, value_heads, key_dim],
+    L2-normalised in fp32 and rounded to rows' dtype, value head j reading key head j // (value_heads /
+    key_heads); v [L, T, value_heads, dv]; new history [L, C, K-1]). All contiguous."""
+    dv = check_heads(rows.shape[-1], key_heads, value_heads, key_dim)
+    out, new_history = causal_conv_extend_ref(rows, history, weight, n_rows)
+    kd = key_heads * key_dim
+    q, k, v = out.split([kd, kd, value_heads * dv], dim=-1)
+    rep = value_heads // key_heads
+
+    def normalised(x):
+        x = l2_normalize(x.unflatten(-1, (key_heads, key_dim)), L2_EPS).to(rows.dtype)
+        return x.repeat_interleave(rep, dim=-2) if rep > 1 else x.contiguous()
+    return normalised(q), normalised(k), v.unflatten(-1, (value_heads, dv)).contiguous(), new_history
+
+
+def conv_extend_heads(rows, history, weight, n_rows, key_heads: int, value_heads: int, key_dim: int,
+                      tiles: tuple[int, int] = (32, 4)):
+    """conv_extend_heads_ref in one launch (the normalisation's sum in the kernel's order): one program's
+    channel tile is one key head (or key_dim channels of v)."""
+    check_extend_shapes(rows, history, weight, n_rows)
+    check_device(rows, history=history, weight=weight, n_rows=n_rows)
+    dv = check_heads(rows.shape[-1], key_heads, value_heads, key_dim)
+    L, T, _ = rows.shape
+    q = torch.empty(L, T, value_heads, key_dim, dtype=rows.dtype, device=rows.device)
+    k, v = torch.empty_like(q), torch.empty(L, T, value_heads, dv, dtype=rows.dtype, device=rows.device)
+    new_history = _launch(rows, history, weight, n_rows, (q, k, v), key_dim, key_heads * key_dim, True,
+                          value_heads // key_heads, tiles)
+    return q, k, v, new_history

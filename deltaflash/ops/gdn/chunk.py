@@ -45,33 +45,26 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk: int = CHU
     return out.transpose(0, 1), state
 
 
-def value_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[..., Hk, d] -> [..., heads, d]: value head j reads key head j // (heads / Hk) (grouped values).
-    fla-core takes grouped values itself, but its kernels ran slower that way on the H200 (a 2048-token
-    prefill of the 9B shape: kkt solve 0.61 -> 1.03 ms, chunk_o 0.96 -> 1.21 ms over 24 layers) than
-    the two 16 MB copies per layer cost (~0.44 ms): both routes repeat the heads here."""
-    rep = heads // x.shape[-2]
-    return x.repeat_interleave(rep, dim=-2) if rep > 1 else x
-
-
-def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: list[int], cu_seqlens=None,
+def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states, seq_lens: list[int], cu_seqlens=None,
                                   cu_seqlens_host=None):
-    """Several sequences packed along rows. q, k: [N, Hk, dk] raw (L2-normalised here, q scaled by
-    dk^-0.5), Hk dividing H (value head j reads key head j // (H / Hk): `value_heads`); v: [N, H, dv]
-    (activation dtype); g, beta: [N, H] fp32; initial_states:
+    """Several sequences packed along rows. q, k: [N, H, dk] L2-normalised, one per value head
+    (ops/conv/extend.conv_extend_heads: q is scaled by dk^-0.5 here); v: [N, H, dv] (activation dtype);
+    a, b: [N, H] the raw gate inputs (`gdn_gates`; any strides); A_log, dt_bias [H]; initial_states
     [B, H, dk, dv] fp32; seq_lens: host list of B row counts summing to N. cu_seqlens (device) /
     cu_seqlens_host (CPU) [B+1]: their offsets, if the caller has them; passing the same tensors to
     every layer lets fla-core reuse its chunk index tables instead of copying new ones to the device
-    per call. Returns (o [N, H, dv] in v's dtype, final_states [B, H, dk, dv] fp32). Uses fla-core on CUDA."""
-    heads = v.shape[-2]
-    q, k = value_heads(q, heads), value_heads(k, heads)
+    per call. Returns (o [N, H, dv] in v's dtype, final_states [B, H, dk, dv] fp32). Uses fla-core on
+    CUDA, which also computes the gates (and their chunk sums) in its kernels."""
     if q.is_cuda:
         if cu_seqlens_host is None:
             cu_seqlens_host = torch.tensor([0] + list(seq_lens)).cumsum(0)
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_host.to(q.device)
-        return _fla_varlen(q, k, v, g, beta, initial_states, cu_seqlens, cu_seqlens_host)
-    q, k = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+        o, final = _fla(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias, initial_states,
+                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
+        return o[0], final
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q = q.float() * q.shape[-1] ** -0.5
     outs, finals, row = [], [], 0
     for i, n in enumerate(seq_lens):
         o, s = chunk_gated_delta_rule_ref(q[row:row + n], k[row:row + n], v[row:row + n],
@@ -82,41 +75,34 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, initial_states, seq_lens: li
     return torch.cat(outs).to(v.dtype), torch.stack(finals)
 
 
-def chunk_gated_delta_rule_padded(q, k, v, g, beta, initial_states, n_rows):
-    """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, Hk, dk] raw (`value_heads`);
-    v: [L, T, H, dv];
-    g, beta: [L, T, H] fp32; initial_states [L, H, dk, dv] fp32; n_rows [L] (device): valid rows, first
-    in each lane. A padding row gets g = 0 and beta = 0: it writes nothing (its delta is beta times
-    something, so zero) and decays nothing, and it comes after every valid row, so each lane's valid
-    outputs and final state are those of its valid rows alone (the chunks start at row 0 as in the
-    packed layout). Returns (o [L, T, H, dv] in v's dtype, garbage at padding rows; final_states
-    [L, H, dk, dv] fp32)."""
-    heads = v.shape[-2]
-    q, k = value_heads(q, heads), value_heads(k, heads)
+def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states, n_rows):
+    """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, H, dk] as for
+    `chunk_gated_delta_rule_varlen`; v: [L, T, H, dv]; a, b: [L, T, H] raw gate inputs; initial_states
+    [L, H, dk, dv] fp32; n_rows [L] (device): valid rows, first in each lane. A padding row gets
+    a = b = -inf, so g = 0 and beta = 0: it writes nothing (its delta is beta times something, so zero)
+    and decays nothing, and it comes after every valid row, so each lane's valid outputs and final
+    state are those of its valid rows alone (the chunks start at row 0 as in the packed layout).
+    Returns (o [L, T, H, dv] in v's dtype, garbage at padding rows; final_states [L, H, dk, dv] fp32)."""
     valid = (torch.arange(q.shape[1], device=q.device)[None] < n_rows[:, None])[..., None]  # [L, T, 1]
-    g, beta = torch.where(valid, g, 0.0), torch.where(valid, beta, 0.0)
+    a, b = (torch.where(valid, x, float("-inf")) for x in (a, b))
     if q.is_cuda:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        o, final = chunk_gated_delta_rule(
-            q.to(v.dtype), k.to(v.dtype), v, g.float(), beta.to(v.dtype), scale=q.shape[-1] ** -0.5,
-            initial_state=initial_states.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )
-        return o, final.float()
-    q, k = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+        return _fla(q, k, v, a, b, A_log, dt_bias, initial_states)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q = q.float() * q.shape[-1] ** -0.5
     outs = [chunk_gated_delta_rule_ref(q[i], k[i], v[i], g[i], beta[i], initial_states[i]) for i in range(q.shape[0])]
     return torch.stack([o for o, _ in outs]).to(v.dtype), torch.stack([s for _, s in outs])
 
 
-def _fla_varlen(q, k, v, g, beta, initial_states, cu_seqlens, cu_seqlens_host):
+def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, **varlen):
+    """fla-core's chunked rule on [B, T, H, d] rows, its gate (-exp(A_log) softplus(a + dt_bias), summed
+    per chunk) and beta sigmoid computed in its kernels."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, final = chunk_gated_delta_rule(  # l2norm of q, k in-kernel, in fp32
-        q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None].float(), beta[None].to(v.dtype),
-        scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host, use_qk_l2norm_in_kernel=True,
+    o, final = chunk_gated_delta_rule(
+        q, k, v, a, b, scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,
     )
-    return o[0], final.float()
+    return o, final.float()
 
 
 def recurrent_gated_delta_step_ref(q, k, v, g, beta, state):

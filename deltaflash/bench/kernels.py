@@ -91,8 +91,8 @@ def run(args) -> dict:
         nk, nv, dk, dv, C, K = t["dims"]
         pool = torch.randn(max(2 * L, 8), G, nv, dk, dv, device="cuda") * 0.1
         log = torch.randn(G, L, W, nv, 1 + dk + dv, device="cuda") * 0.01
-        plan = CommitPlan(t["slot_ids"], torch.arange(W, device="cuda").expand(L, W).contiguous(),
-                          torch.full((L,), acc, device="cuda"), (), (), (), chain_host=True)
+        plan = CommitPlan.chain(t["slot_ids"], torch.full((L,), acc, device="cuda"), W, slot_ids_host=(),
+                                accepted_len_host=(), start_host=())
 
         def commit():  # the kernels' commit: the caller (cache/commit.py) validated the plan
             fused.replay_commit(pool, log, plan)

@@ -143,15 +143,21 @@ class VerifyBatch:
         return self.input_ids.shape[1]
 
     @classmethod
-    def chain(cls, input_ids: torch.Tensor, slot_ids_host: Sequence[int], start_host: Sequence[int]) -> "VerifyBatch":
-        """Every lane a chain: input_ids [L, W] on the device (row 0 the anchor), lane l's rows at
-        positions start_host[l] + 0..W-1 of slot slot_ids_host[l] (-1: padding lane)."""
+    def chain(cls, input_ids: torch.Tensor, slot_ids: torch.Tensor | Sequence[int], start: torch.Tensor | Sequence[int],
+              slot_ids_host: Sequence[int] = (), start_host: Sequence[int] = ()) -> "VerifyBatch":
+        """Every lane a chain (parents n - 1): input_ids [L, W] on the device (row 0 the anchor), lane l's
+        rows at positions start[l] + 0..W-1 of slot slot_ids[l] (-1: a padding lane). slot_ids / start:
+        [L] on the device (with their host mirrors, if the caller has them; none inside a CUDA graph), or
+        host sequences, copied over and kept as the mirrors."""
         L, W = input_ids.shape
         device = input_ids.device
-        start = to_device(list(start_host), device)
+        if not isinstance(slot_ids, torch.Tensor):
+            slot_ids_host, slot_ids = tuple(slot_ids), to_device(slot_ids, device)
+        if not isinstance(start, torch.Tensor):
+            start_host, start = tuple(start), to_device(start, device)
         nodes = torch.arange(W, device=device)
         return cls(input_ids=input_ids, parents=(nodes - 1).expand(L, W).contiguous(),
-                   positions=start[:, None] + nodes, slot_ids=to_device(list(slot_ids_host), device), start=start,
+                   positions=start[:, None] + nodes, slot_ids=slot_ids, start=start,
                    slot_ids_host=tuple(slot_ids_host), start_host=tuple(start_host), chain_host=True)
 
 
@@ -192,12 +198,12 @@ class CommitPlan:
     parents_host: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
-    def chain(cls, slot_ids: torch.Tensor, accepted_len_host: Sequence[int], slot_ids_host: Sequence[int],
-              start_host: Sequence[int], width: int) -> "CommitPlan":
-        """Chains: lane l commits its first accepted_len_host[l] rows."""
-        L, device = len(slot_ids_host), slot_ids.device
+    def chain(cls, slot_ids: torch.Tensor, accepted_len: torch.Tensor, width: int, *, slot_ids_host: Sequence[int],
+              accepted_len_host: Sequence[int], start_host: Sequence[int]) -> "CommitPlan":
+        """Chains: lane l commits its first accepted_len[l] rows (device [L]; its host mirror beside it)."""
+        L, device = slot_ids.shape[0], slot_ids.device
         return cls(slot_ids=slot_ids, accepted_nodes=torch.arange(width, device=device).expand(L, width).contiguous(),
-                   accepted_len=to_device(list(accepted_len_host), device), slot_ids_host=tuple(slot_ids_host),
+                   accepted_len=accepted_len, slot_ids_host=tuple(slot_ids_host),
                    accepted_len_host=tuple(accepted_len_host), start_host=tuple(start_host), chain_host=True)
 
 

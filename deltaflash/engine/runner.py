@@ -229,10 +229,7 @@ class ModelRunner:
                 zeros = torch.zeros(lanes, dtype=torch.long, device=self.device)
                 if source is not None:
                     source._block_logits(slot_ids, zeros, zeros)
-                batch = VerifyBatch(input_ids=torch.zeros(lanes, W, dtype=torch.long, device=self.device),
-                                    parents=(torch.arange(W, device=self.device) - 1).expand(lanes, W).contiguous(),
-                                    positions=torch.arange(W, device=self.device).expand(lanes, W), slot_ids=slot_ids,
-                                    start=zeros, slot_ids_host=(), start_host=(), chain_host=True)
+                batch = VerifyBatch.chain(torch.zeros(lanes, W, dtype=torch.long, device=self.device), slot_ids, zeros)
                 self.model.verify(batch, probe, self.kernels, taps)
             torch.cuda.synchronize(self.device)
             peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
@@ -467,9 +464,7 @@ class ModelRunner:
                     start_host=tuple(s.position for s in plan.decode))
         path = round_.accepted.path
         if path is None:
-            nodes = torch.arange(W, device=self.device).expand(L, W).contiguous()
-            commit_plan = CommitPlan(slot_ids=round_.slot_ids, accepted_nodes=nodes, accepted_len=n_rows,
-                                     chain_host=True, **host)
+            commit_plan = CommitPlan.chain(round_.slot_ids, n_rows, W, **host)
         else:
             nodes = torch.zeros(L, W, dtype=torch.long, device=self.device)
             nodes[:, :path.shape[1]] = path
@@ -507,13 +502,11 @@ class ModelRunner:
         """W rows per lane - chains, or trees of parents / depth [L, W] - -> (logits [L, W, V], taps
         [L, W, n*H] or None, conv windows [L, G, C, K-1+W], replay log [L, G, W, nv, 1+dk+dv]): lanes
         first, as the graphs slice them. kmax None: attention reads whole tables (a fixed shape, for the graphs)."""
-        L, W = input_ids.shape
-        nodes = torch.arange(W, device=self.device)
-        chain = parents is None
-        if chain:
-            parents, depth = (nodes - 1).expand(L, W).contiguous(), nodes.expand(L, W)
-        batch = VerifyBatch(input_ids=input_ids, parents=parents, positions=start[:, None] + depth, slot_ids=slot_ids,
-                            start=start, slot_ids_host=(), start_host=(), chain_host=chain)
+        if parents is None:
+            batch = VerifyBatch.chain(input_ids, slot_ids, start)
+        else:
+            batch = VerifyBatch(input_ids=input_ids, parents=parents, positions=start[:, None] + depth,
+                                slot_ids=slot_ids, start=start, slot_ids_host=(), start_host=())
         out = self.model.verify(batch, self.pool, self.kernels, self.tap_layer_ids, kmax=kmax,
                                 gather_logits=not self.shard_logits)
         return out.logits, out.taps, out.conv_windows.movedim(1, 0), out.replay_log.movedim(1, 0)

@@ -1,9 +1,11 @@
 """Every engine option, resolved once - flags, defaults and environment variables - into a frozen
-`EngineConfig` the engine holds. Nothing else in the package reads the environment.
+`EngineConfig` the engine holds. No other engine code reads the environment (the server's
+DELTAFLASH_API_KEY is the default of `deltaflash serve --api-key`, read with its flags).
 
 Environment variables (README, "Environment"):
 - DELTAFLASH_NO_FUSED_KERNELS=1: run the pure-torch reference kernels (ops/*/naive.py) on CUDA too.
 - DELTAFLASH_NO_CUDA_GRAPHS=1: run every forward eagerly on CUDA (no graph capture at start).
+- DELTAFLASH_NO_PREFILL_GRAPHS=1: run prefill steps eagerly on CUDA (rounds still replay their graphs).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ largest bucket returns None: the caller runs the function eagerly.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,7 +35,11 @@ EAGER_DENSE_MIN_CONTEXT = 2048
 
 def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, fn's output): fn run `warmups` times on a side stream (Triton compiles, cuBLAS picks
-    its kernels, outside the capture), then captured once into `pool`."""
+    its kernels, outside the capture), then captured once into `pool`. The garbage collector is held off
+    during the capture (torch.cuda.graph collects once before it): an object collected mid-capture may
+    free a CUDA resource (an event, pinned host memory, an earlier graph), a call a capturing process may
+    not make, which voids the capture ("operation failed due to a previous error during capture": one
+    adaptive engine's start-up among eight pytest workers on the H200, not alone)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -42,8 +47,14 @@ def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, obje
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 

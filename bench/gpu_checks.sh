@@ -5,11 +5,13 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo attention paged longctx
+# Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model tp savecache (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
+# `e2epair` runs the demo e2e on this tree (serve defaults, and at --max-model-len 320) and on OLD_TREE
+# (`git archive COMMIT | tar x -C DIR`, carried).
 # `first` starts `deltaflash serve` (bundled pair) and times its start-up and first ten requests.
 # A fresh machine compiles every kernel and captures every CUDA graph on first use: the kernel and graph
 # tests take about 170 s there, the target tests (transformers on fla-core's autotuned kernels) over 200 s.
@@ -67,6 +69,15 @@ for step in "$@"; do
         first) run first 240 python3 bench/first_requests.py --out "$OUT/first.json" ;;
         e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
+        e2epair) for tree in . "${OLD_TREE:?e2epair: set OLD_TREE to an exported older tree}"; do  # same command, two trees
+                     for len in "" 320; do  # HEAD also at the old tree's max_model_len (its prompts + 129)
+                         [ "$tree" != . ] && [ -n "$len" ] && continue
+                         name=e2e-$(basename "$(cd "$tree" && pwd)")${len:+-len$len}
+                         (cd "$tree" && PYTHONPATH=$PWD:${PYTHONPATH:-} run e2epair 300 python3 -m deltaflash bench e2e \
+                             --workload demo --prompts 16 --concurrency 1 4 16 64 --no-profile --quiet \
+                             ${len:+--max-model-len $len} --out "/tmp/$name") && cp "/tmp/$name/e2e-demo.json" "$OUT/$name.json"
+                     done
+                 done ;;
         e2edemo) run e2edemo 300 python3 -m deltaflash bench e2e --workload demo --prompts 16 --reference --out "$OUT/demo" \
                      --quiet ;;
         attention) run attention 200 python3 -m deltaflash bench attention --json "$OUT/attention.json" ;;

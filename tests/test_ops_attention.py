@@ -96,6 +96,17 @@ def test_splits_do_not_change_the_result():
     assert torch.equal(outs[-1], paged_attention(**args, scale=0.125, split_keys=1 << 20))  # no split: one piece
 
 
+@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3)], ids=lambda t: f"{t[0]}keys-{t[1]}stages")
+def test_other_key_tiles_match_the_reference(key_tile):
+    """The key tiles `bench attention --key-tiles` times compute the same attention (causal and tree rows,
+    pages of 5 rows crossed inside a tile, a split)."""
+    for mode in ("causal", "tree"):
+        args = lanes(6, 8, 2, 64, 5, torch.float32, [70, 3, 41], seed=11, mode=mode)
+        want = paged_attention_ref(**args, scale=0.125, mode=mode)
+        got = paged_attention(**args, scale=0.125, mode=mode, split_keys=64, key_tile=key_tile)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("split_keys", [None, 64])
 def test_a_rows_bits_do_not_depend_on_the_batch(split_keys):
     """Row t of a lane's verify block, the same row in a shorter block, and the same position decoded

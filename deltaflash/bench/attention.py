@@ -19,13 +19,18 @@ from deltaflash.ops.attention.paged import paged_attention, split_keys_for
 NH, NKV, HD = 16, 4, 256
 
 
-def lanes_at(context: int, lanes: int, rows: int, page_size: int, device):
-    """Arguments of one call: `lanes` lanes with `context` committed positions and `rows` query rows."""
+def lanes_at(context: int, lanes: int, rows: int, page_size: int, device, max_model_len: int | None = None):
+    """Arguments of one call: `lanes` lanes with `context` committed positions and `rows` query rows; the
+    block tables as wide as `max_model_len` (the engine's: it sets the flash-decoding split), else as the
+    lanes' pages."""
     per_lane = pages_for(context + rows, page_size)
     pages = lanes * per_lane
     key_pages = torch.randn(pages + 1, page_size, NKV, HD, dtype=torch.bfloat16, device=device)
     value_pages = torch.randn_like(key_pages)
     tables = torch.randperm(pages, device=device).int().view(lanes, per_lane)
+    width = pages_for(max_model_len, page_size) if max_model_len else per_lane
+    if width > per_lane:  # entries past a lane's length point at the sink page, as the engine's do
+        tables = torch.cat([tables, torch.full((lanes, width - per_lane), pages, dtype=torch.int32, device=device)], 1)
     return dict(q=torch.randn(lanes, rows, NH, HD, dtype=torch.bfloat16, device=device), key_pages=key_pages,
                 value_pages=value_pages, block_tables=tables, slot_ids=torch.arange(lanes, device=device),
                 context_lens=torch.full((lanes,), context, device=device),
@@ -39,7 +44,7 @@ def run(args) -> dict:
     for context in args.contexts:
         for lanes in args.lanes:
             for rows in args.rows:
-                call = lanes_at(context, lanes, rows, args.page_size, "cuda")
+                call = lanes_at(context, lanes, rows, args.page_size, "cuda", args.max_model_len)
                 kv_bytes = lanes * (context + rows) * 2 * NKV * HD * 2
                 roofline_ms = (kv_bytes + 2 * call["q"].numel() * 2) / (bw * 1e9) * 1e3
                 kernel_ms = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5))
@@ -48,7 +53,12 @@ def run(args) -> dict:
                        "kernel_ms": kernel_ms, "roofline_ms": roofline_ms, "kernel/roofline": kernel_ms / roofline_ms}
                 for keys in args.split_keys:  # other split sizes, for choosing split_keys_for's rule
                     row[f"ms@{keys}"] = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5, split_keys=keys))
-                gathered = lanes * pages_for(context + rows, args.page_size) * args.page_size * 2 * NKV * HD * 2
+                for tile in args.key_tiles:  # other key tiles (keys:stages), each at the default split and each of --split-keys
+                    bn, stages = map(int, tile.split(":"))
+                    for keys in (None, *args.split_keys):
+                        row[f"ms@{tile}" + (f"/{keys}" if keys else "")] = graph_ms(lambda: paged_attention(
+                            **call, scale=HD ** -0.5, split_keys=keys, key_tile=(bn, stages)))
+                gathered = lanes * call["block_tables"].shape[1] * args.page_size * 2 * NKV * HD * 2  # the whole table
                 if gathered < 8 << 30:
                     ref_ms = graph_ms(lambda: paged_attention_ref(**call, scale=HD ** -0.5), reps=3, trials=3)
                     row |= {"reference_ms": ref_ms, "reference/kernel": ref_ms / kernel_ms}
@@ -70,5 +80,9 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--split-keys", type=int, nargs="*", default=[],
                    help="also time these keys per split (multiples of 64) beside the default rule's")
+    p.add_argument("--key-tiles", nargs="*", default=[], metavar="KEYS:STAGES",
+                   help="also time the kernel with these key tiles and pipeline stages (e.g. 32:3 64:2)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="block tables as wide as this capacity, as an engine's (default: the lanes' pages)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

@@ -178,11 +178,15 @@ def split_keys_for(max_keys: int) -> int:
 
 
 def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
-                        mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor) -> torch.Tensor:
+                        mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor,
+                        key_tile: tuple[int, int] | None = None) -> torch.Tensor:
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
     BM, BN = tiles(hd)
+    stages = {}
+    if key_tile is not None:  # (BN, pipeline stages): for bench attention's tile sweep
+        BN, stages = key_tile[0], dict(num_stages=key_tile[1])
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     m_tiles = triton.cdiv(T * rep, BM)
@@ -200,7 +204,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
         T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys,
         REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4,
+        IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, **stages,
     )
     if splits > 1:
         combine_kernel[(L * nkv, m_tiles)](part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2),
@@ -212,11 +216,12 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
                     slot_ids: torch.Tensor, context_lens: torch.Tensor, n_rows: torch.Tensor | None = None, *,
                     scale: float, mode: str = "causal", tree_mask: torch.Tensor | None = None,
                     window: int | None = None, max_pages: int | None = None, split: bool = True,
-                    split_keys: int | None = None) -> torch.Tensor:
+                    split_keys: int | None = None, key_tile: tuple[int, int] | None = None) -> torch.Tensor:
     """naive.paged_attention_ref reading the pages in place (same arguments; `max_pages` is not needed:
     each lane reads up to its own length). split_keys: keys per flash-decoding split, a multiple of 64
     (None: `split_keys_for` the table's capacity; with `split` False the whole table, one piece: no
-    partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks)."""
+    partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks).
+    key_tile: (keys per tile, pipeline stages) instead of `tiles`' choice, for timing other tiles."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:
@@ -246,4 +251,4 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     # the positions as context_lens) would give lane l another lane's entry
     lanes = [t.long().contiguous() for t in (slot_ids, context_lens, n_rows)]
     return paged_attention_fwd(q, key_pages, value_pages, block_tables.contiguous(), *lanes,
-                               scale, mode, mask, window, split_keys, out)
+                               scale, mode, mask, window, split_keys, out, key_tile)

@@ -34,12 +34,12 @@ DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_k
 
 
 def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, int] | None = None) -> str:
-    BM, BN = tiles(hd)
-    options = dict(num_warps=8 if hd >= 256 else 4)
+    BM, BN, stages = tiles(hd)
     if key_tile is not None:
-        BN, options["num_stages"] = key_tile
+        BN, stages = key_tile
+    options = dict(num_warps=8 if hd >= 256 else 4, num_stages=stages)
     consts = dict(REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, BN=BN, MODE=mode, WINDOWED=False,
-                  SPLITS=splits, IEEE=False)
+                  SPLIT=splits > 1, IEEE=False)
     names = paged_attention_kernel.arg_names
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name in FLOATS else "i64")
                  for name in names}
@@ -53,7 +53,7 @@ def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[in
                              capture_output=True, text=True, check=True).stderr
     found = ", ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads", out))
     piped = "cp.async pipeline" if "cp.async" in kernel.asm["ptx"] else "no cp.async"
-    return f"BM {BM} BN {BN} stages {options.get('num_stages', 3)}: {found}, {kernel.metadata.shared} bytes shared, {piped}"
+    return f"BM {BM} BN {BN} stages {stages}: {found}, {kernel.metadata.shared} bytes shared, {piped}"
 
 
 if __name__ == "__main__":
@@ -61,5 +61,5 @@ if __name__ == "__main__":
         for mode, label in ((0, "causal"), (2, "tree")):
             for splits in (1, 8):
                 print(f"{name:15s} {label:6s} splits {splits}: {report(T, rep, hd, mode, splits)}")
-    for key_tile in ((32, 3), (64, 2), (64, 3)):  # the tiles bench attention --key-tiles times
+    for key_tile in ((16, 3), (32, 3), (64, 3)):  # other tiles bench attention --key-tiles times
         print(f"9B verify W16   causal splits 8: {report(16, 4, 256, 0, 8, key_tile)}")

@@ -30,18 +30,18 @@ import triton.language as tl
 from deltaflash.ops.attention.naive import MODES
 
 _MODE_IDS = {name: i for i, name in enumerate(MODES)}  # causal 0, full 1, tree 2
-MAX_SPLITS = 16
+MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256
 
 
-@triton.jit(do_not_specialize=["T", "R"])  # one binary for every block height (module docstring: compiles)
+@triton.jit(do_not_specialize=["T", "R", "SPLITS"])  # one binary for every block height and split count
 def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
     stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     stride_bt, stride_o_l, stride_o_t, stride_o_h,
-    T, NKV, page_size, scale, window, R, split_keys,
+    T, NKV, page_size, scale, window, R, split_keys, SPLITS,
     REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_lg, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = (i_lg // NKV).to(tl.int64)
@@ -119,7 +119,7 @@ def paged_attention_kernel(
         b_max = b_new
 
     b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a row that sees no key gives zeros
-    if SPLITS == 1:
+    if not SPLIT:
         p_o = (out + i_l * stride_o_l + o_t[:, None].to(tl.int64) * stride_o_t
                + (i_g * REP + o_m % REP)[:, None] * stride_o_h + o_d[None, :])
         tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
@@ -131,10 +131,11 @@ def paged_attention_kernel(
         tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")), mask=m_m)
 
 
-@triton.jit(do_not_specialize=["T", "R"])
-def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, R,
-                   REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr):
-    """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of one (lane, kv head, row tile)."""
+@triton.jit(do_not_specialize=["T", "R", "SPLITS"])
+def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, R, SPLITS,
+                   REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of one (lane, kv head, row tile), in
+    split order. A split past the lane's keys has lse -inf: its weight is 0 and no output row is read."""
     i_lg, i_m = tl.program_id(0), tl.program_id(1)
     i_l = (i_lg // NKV).to(tl.int64)
     i_g = i_lg % NKV
@@ -144,12 +145,12 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     m_r = o_t < T
     base = i_lg.to(tl.int64) * SPLITS * R
     b_top = tl.full([BM], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(SPLITS):
         b_top = tl.maximum(b_top, tl.load(part_lse + base + s * R + o_m, mask=m_r, other=float("-inf")))
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
     b_num = tl.zeros([BM, BD], dtype=tl.float32)
     b_den = tl.zeros([BM], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(SPLITS):
         b_w = tl.exp(tl.load(part_lse + base + s * R + o_m, mask=m_r, other=float("-inf")) - b_top)
         b_part = tl.load(part_out + (base + s * R + o_m)[:, None] * BD + o_d[None, :],
                          mask=(m_r & (b_w > 0))[:, None], other=0.0)  # an empty split wrote no output rows
@@ -161,12 +162,14 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
-def tiles(head_dim: int) -> tuple[int, int]:
-    """(BM query rows, BN keys) per program: 64 rows of one kv head whatever T (a fixed BM keeps a row's
-    products on the same instructions at every batch shape: module docstring); key tiles of 32, or 16
-    for heads wider than 128 (sm_90 ptxas: no spills at hd 64 / 128 with trees, 0-28 bytes at hd 256 x
-    64 rows; `bench/attention_registers.py`)."""
-    return 64, 32 if head_dim <= 128 else 16
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BM query rows, BN keys, pipeline stages) per program: 64 rows of one kv head whatever T (a fixed BM
+    keeps a row's products on the same instructions at every batch shape: module docstring). Heads wider
+    than 128: key tiles of 64 in a 2-stage cp.async pipeline (H200, 9B layer at the serve default's
+    capacity, `bench attention --key-tiles`: 16 lanes x 128k keys 8.46 ms with 16-key tiles, 4.74 ms;
+    160 KiB of shared memory, no spills per `bench/attention_registers.py`); narrower heads: 32 keys,
+    3 stages (not re-measured)."""
+    return (64, 32, 3) if head_dim <= 128 else (64, 64, 2)
 
 
 def split_keys_for(max_keys: int) -> int:
@@ -183,10 +186,9 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
-    BM, BN = tiles(hd)
-    stages = {}
+    BM, BN, stages = tiles(hd)
     if key_tile is not None:  # (BN, pipeline stages): for bench attention's tile sweep
-        BN, stages = key_tile[0], dict(num_stages=key_tile[1])
+        BN, stages = key_tile
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     m_tiles = triton.cdiv(T * rep, BM)
@@ -202,13 +204,13 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         q if tree_mask is None else tree_mask, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys,
-        REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, **stages,
+        T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits,
+        REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, num_stages=stages,
     )
     if splits > 1:
         combine_kernel[(L * nkv, m_tiles)](part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2),
-                                           T, nkv, R, REP=rep, HD=hd, BD=BD, BM=BM, SPLITS=splits, num_warps=4)
+                                           T, nkv, R, splits, REP=rep, HD=hd, BD=BD, BM=BM, num_warps=4)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -148,6 +149,22 @@ def test_target_export_loads_in_transformers_with_equal_logits(pipeline):
         got = loaded(input_ids=tokens).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert heldout_loss(loaded, tokens, CPU) == pytest.approx(heldout_loss(pipeline.target, tokens, CPU), rel=1e-5)
+
+
+def test_a_damaged_exported_drafter_is_a_checkpoint_error_naming_it(pipeline, tmp_path):
+    """The trainer reads an exported drafter (`train draft --init`, `train evaluate`) through the same
+    checkpoint reader as the engine: a truncated file is a one-line CheckpointError naming it."""
+    import os
+    import shutil
+
+    from deltaflash.errors import CheckpointError
+
+    folder = Path(shutil.copytree(pipeline.out / "draft", tmp_path / "draft"))
+    weights = folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=re.escape(str(weights))) as error:
+        load_drafter(folder, CPU)
+    assert "\n" not in str(error.value)
 
 
 def test_drafter_export_loads_in_dflash_with_equal_forward(pipeline):

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from deltaflash.models.checkpoint import Checkpoint
 from deltaflash.models.dflash import RMSNorm  # Qwen3's plain `w * x / rms(x)`, normalised in fp32
 from deltaflash.train.corpus import heldout_windows, packed_batches
 from deltaflash.train.loop import LoopOptions, LoopResult, Metric, autocast, run_loop
@@ -302,9 +303,11 @@ def export_drafter(drafter: Drafter, out_dir: Path) -> None:
 
 
 def load_drafter(folder: Path, device: torch.device) -> Drafter:
-    """An exported drafter in fp32, in eval mode."""
+    """An exported drafter in fp32, in eval mode; its weights read through models/checkpoint.py (a damaged
+    file is a one-line CheckpointError naming it)."""
     folder = Path(folder)
     shape = DrafterShape.from_hf_config(json.loads((folder / "config.json").read_text()))
     drafter = Drafter(shape)
-    drafter.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
+    checkpoint = Checkpoint(folder)
+    drafter.load_state_dict(checkpoint.read(checkpoint.tensors, torch.float32, "cpu", desc="drafter", progress=False))
     return drafter.to(device).eval()

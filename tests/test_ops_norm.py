@@ -43,6 +43,21 @@ def test_gated_norm_matches_ref(D, dtype):
     torch.testing.assert_close(y, gated_rms_norm_ref(x, z, w, 1e-6), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("D,dtype", CASES)
+def test_gated_norm_reads_the_gate_in_place_from_projection_columns(D, dtype):
+    """The GDN gate z is a column slice of the merged projection, [L, T, H, D] with a token stride wider
+    than H * D: its rows are read where they are (no copy), with the same result as from a copy."""
+    g = torch.Generator().manual_seed(D + 2)
+    L, T, H = 2, 5, 3
+    projection = (2 * torch.randn(L, T, 7 + H * D + 4, generator=g)).to(dtype).to(DEVICE)
+    z = projection[..., 7:7 + H * D].unflatten(-1, (H, D))
+    x = torch.randn(L, T, H, D, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    y = gated_rms_norm(x, z, w, 1e-6)
+    assert torch.equal(y, gated_rms_norm(x, z.contiguous(), w, 1e-6))
+    torch.testing.assert_close(y, gated_rms_norm_ref(x, z, w, 1e-6), **tolerance(dtype))
+
+
 def test_empty_input_and_bad_weight():
     assert zero_centered_rms_norm(torch.empty(0, 8, device=DEVICE), torch.zeros(8, device=DEVICE), 1e-6).shape == (0, 8)
     with pytest.raises(ValueError, match="weight must be"):

@@ -11,18 +11,21 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_r, eps,
+def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_t, stride_g_h, G_H, eps,
                     D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     """Row i_r: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered), or with GATED,
     y = (w * normed.to(dtype)) * silu(gate) with the roundings of naive.gated_rms_norm_ref. With
     RESIDUAL (zero-centered only), x is first replaced by x + gate rounded to the dtype, which is
-    also written to `total` (the residual stream's add and the next norm in one pass)."""
+    also written to `total` (the residual stream's add and the next norm in one pass). Gate row i_r
+    lies at (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h: rows of G_H heads of a strided view
+    (the GDN gate z: per-head rows of a column slice of the projection) are read in place."""
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
+    p_g = gate + (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h + o_d
     b_x = tl.load(x + i_r * stride_x_r + o_d, mask=m_d, other=0.0).to(tl.float32)
     if RESIDUAL:
-        b_r = tl.load(gate + i_r * stride_g_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_r = tl.load(p_g, mask=m_d, other=0.0).to(tl.float32)
         b_s = (b_x + b_r).to(y.dtype.element_ty)
         tl.store(total + i_r * D + o_d, b_s, mask=m_d)
         b_x = b_s.to(tl.float32)
@@ -30,7 +33,7 @@ def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_r, eps,
     b_w = tl.load(weight + o_d, mask=m_d, other=0.0)
     dtype = y.dtype.element_ty
     if GATED and not RESIDUAL:
-        b_g = tl.load(gate + i_r * stride_g_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_g = tl.load(p_g, mask=m_d, other=0.0).to(tl.float32)
         b_y = (b_w.to(tl.float32) * b_n.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
     else:
@@ -44,20 +47,38 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _head_rows(t: torch.Tensor, D: int) -> tuple[torch.Tensor, int, int, int]:
+    """[..., D] -> (a tensor holding its rows, stride_t, stride_h, heads): row r of the [R, D] flattening
+    at (r // heads) * stride_t + (r % heads) * stride_h. Without a copy when the rows are evenly strided
+    or evenly strided heads of evenly strided tokens ([..., H, D] views of a wider tensor's columns)."""
+    if t.dim() >= 3 and t.stride(-1) == 1:
+        try:
+            tokens = t.view(-1, *t.shape[-2:])  # [N, H, D]: leading dims merged, no copy
+        except RuntimeError:
+            tokens = None
+        if tokens is not None:
+            return tokens, tokens.stride(0), tokens.stride(1), tokens.shape[1]
+    rows = _rows(t, D)
+    return rows, rows.stride(0), 0, 1
+
+
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the norm, and with `residual` x + residual, which is what is normed; else None)."""
     D = x.shape[-1]
     dtype = x.dtype if gate is None else gate.dtype
     x2 = _rows(x, D)
-    g2 = x2 if gate is None and residual is None else _rows(gate if residual is None else residual, D)
+    if gate is None and residual is None:
+        g2, stride_g_t, stride_g_h, heads = x2, x2.stride(0), 0, 1
+    else:
+        g2, stride_g_t, stride_g_h, heads = _head_rows(gate if residual is None else residual, D)
     y = torch.empty(x2.shape, dtype=dtype, device=x.device)
     total = torch.empty_like(y) if residual is not None else None
     if x2.shape[0]:
         BD = triton.next_power_of_2(D)
-        rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, y if total is None else total, x2.stride(0), g2.stride(0),
-                                        eps, D=D, BD=BD, GATED=gate is not None, RESIDUAL=residual is not None,
-                                        num_warps=min(8, max(1, BD // 512)))
+        rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, y if total is None else total, x2.stride(0), stride_g_t,
+                                        stride_g_h, heads, eps, D=D, BD=BD, GATED=gate is not None,
+                                        RESIDUAL=residual is not None, num_warps=min(8, max(1, BD // 512)))
     return y.view(x.shape), None if total is None else total.view(x.shape)
 
 

@@ -154,6 +154,22 @@ def test_latency_summary_counts_tokens_for_itl_and_events_for_stream_gaps():
     assert out["seq_decode_tokens_per_s_mean"] == pytest.approx(9 / 0.028)
 
 
+def test_summary_reports_the_median_step_that_only_decoded():
+    """decode_step_p50_ms is engine.step's wall time over the steps with decoding lanes and no prompt
+    tokens: prefill steps and idle steps do not count."""
+    from deltaflash.bench.e2e import Trace, summarize
+    from deltaflash.core.request import StepReport
+
+    def report(prefill_tokens, decode_lanes):
+        return StepReport(admitted=0, prefill_tokens=prefill_tokens, prefill_s=0.0, decode_lanes=decode_lanes,
+                          decode_s=0.0)
+    steps = [(0.050, report(100, 0)), (0.002, report(0, 4)), (0.030, report(64, 4)), (0.003, report(0, 4)),
+             (0.004, report(0, 4)), (0.001, report(0, 0))]
+    trace = Trace(0.0, token_ids=[1, 2], event_times=[0.05, 0.06], event_tokens=[1, 1])
+    out = summarize([trace], steps, wall=0.1)
+    assert out["steps"] == 6 and out["decode_step_p50_ms"] == pytest.approx(3.0)
+
+
 def test_compare_reports_where_each_sequence_first_differs():
     points = [{"mode": "spec"}, {"mode": "target-only"}]
     e2e_stats.compare(points, [[1, 2, 3], [4, 5, 9, 7], [1, 2]], [[1, 2, 3], [4, 5, 6, 7], [1, 2, 8]])

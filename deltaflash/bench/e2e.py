@@ -215,6 +215,10 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     idle = [r.device_idle_s for _, r in steps if r.device_idle_s is not None]  # CUDA: the device's waits for the host
     out |= {"device_idle_s": sum(idle) if idle else None, "device_idle_share": sum(idle) / wall if idle else None,
             "device_idle_per_step_us": sum(idle) / len(idle) * 1e6 if idle else None}
+    # engine.step's own wall time, for the steps that only decoded (no prompt tokens): beside the inter-token
+    # latency it tells the engine's step from the time the loop around it (the clients' bookkeeping) takes
+    decode_only = sorted(s for s, r in steps if r.decode_lanes and not r.prefill_tokens)
+    out |= {"steps": len(steps), "decode_step_p50_ms": 1e3 * decode_only[len(decode_only) // 2] if decode_only else None}
     return out
 
 

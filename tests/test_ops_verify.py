@@ -491,8 +491,9 @@ def test_conv_extend_heads_kernel_matches_ref(nk, nv, dk, dv, T, dtype):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, **tol, msg=name)
     assert torch.equal(got[3], ref[3])  # the raw inputs, moved
-    q = got[0].float()
-    torch.testing.assert_close(q.norm(dim=-1)[n_rows[0]:].mean(), torch.tensor(1.0), rtol=1e-2, atol=1e-2)
+    for normed in got[:2]:  # every head row of q and k has unit norm (random rows are never near zero)
+        norms = normed.float().norm(dim=-1)
+        torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0, atol=1e-2)
 
 
 def test_conv_extend_heads_refuses_channels_that_do_not_split():

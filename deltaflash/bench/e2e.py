@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from deltaflash.bench.common import copy_bandwidth_gbs, machine, share_of_device, write_json
-from deltaflash.bench.e2e_stats import compare, explain, latency_summary, report
+from deltaflash.bench.e2e_stats import compare, explain, latency_summary, percentile, report
 from deltaflash.bundled import BUNDLED
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
@@ -217,8 +217,8 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
             "device_idle_per_step_us": sum(idle) / len(idle) * 1e6 if idle else None}
     # engine.step's own wall time, for the steps that only decoded (no prompt tokens): beside the inter-token
     # latency it tells the engine's step from the time the loop around it (the clients' bookkeeping) takes
-    decode_only = sorted(s for s, r in steps if r.decode_lanes and not r.prefill_tokens)
-    out |= {"steps": len(steps), "decode_step_p50_ms": 1e3 * decode_only[len(decode_only) // 2] if decode_only else None}
+    decode_only = [s for s, r in steps if r.decode_lanes and not r.prefill_tokens]
+    out |= {"steps": len(steps), "decode_step_p50_ms": 1e3 * percentile(decode_only, 50) if decode_only else None}
     return out
 
 

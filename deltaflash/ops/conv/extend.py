@@ -15,8 +15,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deltaflash.ops.conv.naive import check_rows_and_weight
+from deltaflash.ops.conv.naive import check_device, check_rows_and_weight
 from deltaflash.ops.gdn.chunk import l2_normalize
+from deltaflash.ops.gdn.naive import L2_EPS
 from deltaflash.ops.gdn.verify import exact_exp, exact_rsqrt
 
 
@@ -113,43 +114,35 @@ def conv_extend_kernel(
         tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k)
 
 
-def check_device(rows: torch.Tensor, **others: torch.Tensor) -> None:
-    for name, t in others.items():
-        if t.device != rows.device:
-            raise ValueError(f"{name} is on {t.device}, rows on {rows.device}")
+ROW_TILE, NUM_WARPS = 32, 4  # rows per program, warps (not tuned on the GPU)
 
 
-def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, rep: int, tiles):
+def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, rep: int):
     L, T, C = rows.shape
     K = weight.shape[1]
     new_history = torch.empty(L, C, K - 1, dtype=rows.dtype, device=rows.device)
     if L and T:
-        BT, num_warps = tiles
         out, k_out, v_out = outs
-        conv_extend_kernel[(triton.cdiv(C, DK), triton.cdiv(T, BT), L)](
+        conv_extend_kernel[(triton.cdiv(C, DK), triton.cdiv(T, ROW_TILE), L)](
             rows, history, weight, n_rows, out, k_out, v_out, new_history,
             *rows.stride(), *history.stride(), *weight.stride(),
             T, C, DK, KD, L2_EPS,
-            K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=triton.next_power_of_2(K - 1), HEADS=heads, REP=rep,
-            num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+            K=K, BT=ROW_TILE, BC=triton.next_power_of_2(DK), BK=triton.next_power_of_2(K - 1), HEADS=heads, REP=rep,
+            num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
         )
     return new_history
 
 
-def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor,
-                       tiles: tuple[int, int] = (32, 4)):
+def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
     """Fused causal_conv_extend_ref (same arguments and results; rows may be a strided view, history
-    any layout). One launch, no host sync. tiles: (rows per program, warps)."""
+    any layout). One launch, no host sync."""
     check_extend_shapes(rows, history, weight, n_rows)
     check_device(rows, history=history, weight=weight, n_rows=n_rows)
     L, T, C = rows.shape
     out = torch.empty(L, T, C, dtype=rows.dtype, device=rows.device)
     new_history = _launch(rows, history, weight, n_rows, (out, out, out), min(triton.next_power_of_2(C), 128), 0,
-                          False, 1, tiles)
+                          False, 1)
     return out, new_history
-
-
-L2_EPS = 1e-6  # as in ops/gdn (the chunked rule's and the verify kernel's q / k normalisation)
 
 
 def check_heads(C: int, key_heads: int, value_heads: int, key_dim: int) -> int:
@@ -177,8 +170,7 @@ def conv_extend_heads_ref(rows, history, weight, n_rows, key_heads: int, value_h
     return normalised(q), normalised(k), v.unflatten(-1, (value_heads, dv)).contiguous(), new_history
 
 
-def conv_extend_heads(rows, history, weight, n_rows, key_heads: int, value_heads: int, key_dim: int,
-                      tiles: tuple[int, int] = (32, 4)):
+def conv_extend_heads(rows, history, weight, n_rows, key_heads: int, value_heads: int, key_dim: int):
     """conv_extend_heads_ref in one launch (the normalisation's sum in the kernel's order): one program's
     channel tile is one key head (or key_dim channels of v)."""
     check_extend_shapes(rows, history, weight, n_rows)
@@ -188,5 +180,5 @@ def conv_extend_heads(rows, history, weight, n_rows, key_heads: int, value_heads
     q = torch.empty(L, T, value_heads, key_dim, dtype=rows.dtype, device=rows.device)
     k, v = torch.empty_like(q), torch.empty(L, T, value_heads, dv, dtype=rows.dtype, device=rows.device)
     new_history = _launch(rows, history, weight, n_rows, (q, k, v), key_dim, key_heads * key_dim, True,
-                          value_heads // key_heads, tiles)
+                          value_heads // key_heads)
     return q, k, v, new_history

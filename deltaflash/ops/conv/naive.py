@@ -55,6 +55,13 @@ def conv_tree_step_ref(rows, conv_history, state_slot_ids, parents, weight):
     return out, window
 
 
+def check_device(rows: torch.Tensor, **others: torch.Tensor) -> None:
+    """Every tensor named in `others` is on rows' device (a typed message naming the first that is not)."""
+    for name, t in others.items():
+        if t.device != rows.device:
+            raise ValueError(f"{name} is on {t.device}, rows on {rows.device}")
+
+
 def check_rows_and_weight(rows, weight, rows_name: str = "W") -> tuple[int, int, int, int]:
     """rows [L, W or T, C] and a depthwise weight [C, K >= 2]; returns (L, rows per lane, C, K)."""
     if rows.dim() != 3:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaflash.ops.conv.naive import check_tree_step_shapes
+from deltaflash.ops.conv.naive import check_device, check_tree_step_shapes
 from deltaflash.ops.gdn.verify import MAX_WIDTH, exact_exp
 
 
@@ -100,10 +100,7 @@ def conv_tree_step(rows, conv_history, state_slot_ids, parents, weight, *, out=N
     K = weight.shape[1]
     if not 1 <= W <= MAX_WIDTH:
         raise ValueError(f"verify width W={W} must be in [1, {MAX_WIDTH}]")
-    for name, t in (("conv_history", conv_history), ("state_slot_ids", state_slot_ids), ("parents", parents),
-                    ("weight", weight)):
-        if t.device != rows.device:
-            raise ValueError(f"{name} is on {t.device}, rows on {rows.device}")
+    check_device(rows, conv_history=conv_history, state_slot_ids=state_slot_ids, parents=parents, weight=weight)
     for name, t, shape in (("out", out, (L, W, C)), ("window_out", window_out, (L, C, K - 1 + W))):
         if t is not None and (tuple(t.shape) != shape or t.dtype != rows.dtype or not t.is_contiguous()
                               or t.device != rows.device):

@@ -63,7 +63,8 @@ class PageAllocator:
     def short_of(self, slots: list[int], tokens: list[int]) -> list[tuple[int, int]]:
         """The (slot, tokens) pairs whose slot holds too few pages for positions 0..tokens-1 (most rounds:
         none - a lane crosses into a new page once every page_size / width rounds)."""
-        return [(slot, n) for slot, n in zip(slots, tokens) if pages_for(n, self.page_size) > len(self.held[slot])]
+        held, size = self.held, self.page_size
+        return [(slot, n) for slot, n in zip(slots, tokens) if n > len(held[slot]) * size]
 
     def grow(self, slot: int, tokens: int) -> list[tuple[int, int, int]]:
         """Take the pages `slot` lacks for positions 0..tokens-1; returns the new (slot, table index, page)

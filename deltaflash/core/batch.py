@@ -202,7 +202,8 @@ class CommitPlan:
               accepted_len_host: Sequence[int], start_host: Sequence[int]) -> "CommitPlan":
         """Chains: lane l commits its first accepted_len[l] rows (device [L]; its host mirror beside it)."""
         L, device = slot_ids.shape[0], slot_ids.device
-        return cls(slot_ids=slot_ids, accepted_nodes=torch.arange(width, device=device).expand(L, width).contiguous(),
+        # node n of every lane is row n: one row of node ids seen by all lanes (stride 0, no copy)
+        return cls(slot_ids=slot_ids, accepted_nodes=torch.arange(width, device=device).expand(L, width),
                    accepted_len=accepted_len, slot_ids_host=tuple(slot_ids_host),
                    accepted_len_host=tuple(accepted_len_host), start_host=tuple(start_host), chain_host=True)
 

@@ -244,15 +244,18 @@ class Engine:
         """Append new tokens (and their logprobs when the request asked), cutting at a stop token or
         max_new_tokens or where the grammar completes (it consumes them). The last kept token becomes `pending` (the next row
         to feed) unless the sequence finished."""
-        kept, reason = [], None
-        for tok in tokens:
-            kept.append(tok)
-            if tok in seq.stop_ids or (seq.matcher is not None and seq.matcher.advance(tok)):
-                reason = "stop"
-                break
-            if len(seq.output_ids) + len(kept) >= seq.params.max_new_tokens:
-                reason = "length"
-                break
+        kept, reason = tokens, None
+        if seq.matcher is not None or len(seq.output_ids) + len(tokens) >= seq.params.max_new_tokens \
+                or not seq.stop_ids.isdisjoint(tokens):  # else (most lanes, most steps) nothing cuts the run
+            kept = []
+            for tok in tokens:
+                kept.append(tok)
+                if tok in seq.stop_ids or (seq.matcher is not None and seq.matcher.advance(tok)):
+                    reason = "stop"
+                    break
+                if len(seq.output_ids) + len(kept) >= seq.params.max_new_tokens:
+                    reason = "length"
+                    break
         seq.output_ids.extend(kept)
         seq.pending = kept[-1]
         kept_logprobs = None

@@ -431,7 +431,8 @@ class ModelRunner:
             drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)
             drafts, draft_q = drafts[:, :W - 1], None if draft_q is None else draft_q[:, :W - 1]
         marks = [self._now()]
-        out = self.verify(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start, max(starts) + W)
+        rows = anchors[:, None] if W == 1 else torch.cat([anchors[:, None], drafts], dim=1)
+        out = self.verify(rows, slot_ids, start, max(starts) + W)
         marks.append(self._now())
         rules, logprobs = self._rules(seqs, drafts, W), top_logprobs(seqs)
         if self.shard_logits and sampling.all_greedy and rules is None and logprobs is None:
@@ -546,12 +547,15 @@ def read_emitted(results: list[Accepted | None], extras: tuple[Tensor, ...] = ()
             out.append(Emitted())
             continue
         got = {n: next(values) for n in named}
-        counts = [int(c) for c in got["counts"]]
+        if floats:  # token ids and counts back to ints (exact in float64)
+            got |= {n: [int(v) for v in got[n]] for n in ("counts", "tokens", "path") if n in got}
+        counts = got["counts"]
         L, W = acc.tokens.shape
-        tokens = tuple(tuple(int(t) for t in got["tokens"][i * W:i * W + c + 1]) for i, c in enumerate(counts))
+        flat_tokens = got["tokens"]
+        tokens = tuple(tuple(flat_tokens[i * W:i * W + c + 1]) for i, c in enumerate(counts))
         paths = None
         if acc.path is not None:
-            paths = tuple(tuple(int(n) for n in got["path"][i * W:i * W + c + 1]) for i, c in enumerate(counts))
+            paths = tuple(tuple(got["path"][i * W:i * W + c + 1]) for i, c in enumerate(counts))
         logprobs = (None,) * L
         if acc.logprobs is not None:
             k = 0 if acc.top_ids is None else acc.top_ids.shape[-1]

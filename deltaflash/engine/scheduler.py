@@ -82,6 +82,7 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}  # admission order
         self.preemptions = 0
         self._released: list[int] = []  # slots whose pages went back since the last plan
+        self._cancels = 0  # abort calls since the last plan (none: no sequence to look for)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,8 +92,10 @@ class Scheduler:
         for seq in self.waiting:
             if seq.request_id == request_id:
                 seq.cancel_requested = True
+                self._cancels += 1
         if request_id in self.running:
             self.running[request_id].cancel_requested = True
+            self._cancels += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -139,6 +142,8 @@ class Scheduler:
     def widths(self, decode: list[Sequence]) -> tuple[list[int], int]:
         """(each lane's width: 1 + the drafts it may accept, the round's rows per lane): the policy's
         choice, or every lane at its most and the block (a tree's nodes) when any speculates."""
+        if self.config.block_size <= 1:  # no drafter: every lane decodes one row
+            return [1] * len(decode), 1
         caps = [self.width(s) for s in decode]
         if self.policy is not None and decode:
             round_width, lanes = self.policy.choose(decode, caps)
@@ -194,6 +199,9 @@ class Scheduler:
         return chunks
 
     def _retire_cancelled(self) -> list[Sequence]:
+        if not self._cancels:
+            return []
+        self._cancels = 0
         gone = [s for s in self.waiting if s.cancel_requested]
         for seq in gone:
             self.waiting.remove(seq)

@@ -69,6 +69,8 @@ def _greedy(argmax: Tensor, drafts: Tensor, n_draft: Tensor) -> Accepted:
     """Greedy acceptance from the target's argmax [L, W]: the drafts up to the first that differs from
     the argmax at its row (at most n_draft of them), then the argmax after them."""
     W = argmax.shape[1]
+    if W == 1:  # plain decoding: the argmax is the token
+        return Accepted(counts=n_draft.new_zeros(argmax.shape[0]), tokens=argmax)
     allowed = torch.arange(W - 1, device=argmax.device)[None] < n_draft[:, None]  # [L, W-1]
     counts = ((drafts == argmax[:, :-1]) & allowed).long().cumprod(dim=1).sum(dim=1)
     next_token = argmax.gather(1, counts[:, None])[:, 0]

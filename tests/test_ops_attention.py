@@ -96,7 +96,7 @@ def test_splits_do_not_change_the_result():
     assert torch.equal(outs[-1], paged_attention(**args, scale=0.125, split_keys=1 << 20))  # no split: one piece
 
 
-@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3)], ids=lambda t: f"{t[0]}keys-{t[1]}stages")
+@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (16, 32, 2)], ids=lambda t: ":".join(map(str, t)))
 def test_other_key_tiles_match_the_reference(key_tile):
     """The key tiles `bench attention --key-tiles` times compute the same attention (causal and tree rows,
     pages of 5 rows crossed inside a tile, a split)."""

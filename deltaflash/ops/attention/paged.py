@@ -182,13 +182,13 @@ def split_keys_for(max_keys: int) -> int:
 
 def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
                         mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor,
-                        key_tile: tuple[int, int] | None = None) -> torch.Tensor:
+                        key_tile: tuple[int, ...] | None = None) -> torch.Tensor:
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
     BM, BN, stages = tiles(hd)
-    if key_tile is not None:  # (BN, pipeline stages): for bench attention's tile sweep
-        BN, stages = key_tile
+    if key_tile is not None:  # ([BM,] BN, pipeline stages): for bench attention's tile sweep
+        BM, BN, stages = key_tile if len(key_tile) == 3 else (BM, *key_tile)
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     m_tiles = triton.cdiv(T * rep, BM)
@@ -218,12 +218,13 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
                     slot_ids: torch.Tensor, context_lens: torch.Tensor, n_rows: torch.Tensor | None = None, *,
                     scale: float, mode: str = "causal", tree_mask: torch.Tensor | None = None,
                     window: int | None = None, max_pages: int | None = None, split: bool = True,
-                    split_keys: int | None = None, key_tile: tuple[int, int] | None = None) -> torch.Tensor:
+                    split_keys: int | None = None, key_tile: tuple[int, ...] | None = None) -> torch.Tensor:
     """naive.paged_attention_ref reading the pages in place (same arguments; `max_pages` is not needed:
     each lane reads up to its own length). split_keys: keys per flash-decoding split, a multiple of 64
     (None: `split_keys_for` the table's capacity; with `split` False the whole table, one piece: no
     partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks).
-    key_tile: (keys per tile, pipeline stages) instead of `tiles`' choice, for timing other tiles."""
+    key_tile: (keys per tile, pipeline stages), or (query rows per program, keys per tile, stages), instead
+    of `tiles`' choice, for timing other tiles."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:

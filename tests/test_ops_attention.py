@@ -107,14 +107,20 @@ def test_other_key_tiles_match_the_reference(key_tile):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [
+    (6, 4, 2, 64, torch.float32),
+    pytest.param((16, 16, 4, 256, HALF), marks=pytest.mark.skipif(
+        INTERPRETED, reason="the 9B head shape on tensor cores: 64 rows of a verify block, 4 of a decode row")),
+], ids=["fp32-hd64", "half-9b-heads"])
 @pytest.mark.parametrize("split_keys", [None, 64])
-def test_a_rows_bits_do_not_depend_on_the_batch(split_keys):
+def test_a_rows_bits_do_not_depend_on_the_batch(split_keys, shape):
     """Row t of a lane's verify block, the same row in a shorter block, and the same position decoded
     alone (one row, its block's earlier keys committed) in a launch of one lane: equal to the bit, as
     speculative == target-only greedy needs (ops/attention/paged.py: batch invariance). The last needs
     the GPU: under the interpreter numpy's BLAS rounds a product by the row's place in the tile."""
-    T, context = 6, [70, 9, 131]
-    args = lanes(T, 4, 2, 64, 4, torch.float32, context, seed=8)
+    T, nh, nkv, hd, dtype = shape
+    context = [70, 9, 131]
+    args = lanes(T, nh, nkv, hd, 4, dtype, context, seed=8)
     options = dict(scale=0.125, split_keys=split_keys)
     block = paged_attention(**args, **options)
     valid = args["n_rows"].tolist()  # the last lane has fewer valid rows

@@ -43,7 +43,8 @@ def paged_attention_kernel(
     REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_lg, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # row tiles innermost: the tiles of one (lane, kv head, split) run side by side and share its K/V in L2
+    i_m, i_lg, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = (i_lg // NKV).to(tl.int64)
     i_g = i_lg % NKV
     slot = tl.load(slot_ids + i_l)
@@ -162,14 +163,19 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
-def tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BM query rows, BN keys, pipeline stages) per program: 64 rows of one kv head whatever T (a fixed BM
-    keeps a row's products on the same instructions at every batch shape: module docstring). Heads wider
-    than 128: key tiles of 64 in a 2-stage cp.async pipeline (H200, 9B layer at the serve default's
-    capacity, `bench attention --key-tiles`: 16 lanes x 128k keys 8.46 ms with 16-key tiles, 4.74 ms;
-    160 KiB of shared memory, no spills per `bench/attention_registers.py`); narrower heads: 32 keys,
-    3 stages (not re-measured)."""
-    return (64, 32, 3) if head_dim <= 128 else (64, 64, 2)
+def tiles(head_dim: int, prefill: bool = False) -> tuple[int, int, int]:
+    """(BM query rows, BN keys, pipeline stages) per program. BM is fixed per head shape whatever T (a
+    fixed BM keeps a row's products on the same instructions at every batch shape: module docstring).
+    Heads wider than 128: 16 rows (a decode row's 4 query heads of a kv head fill a quarter of them, not a
+    sixteenth of 64: H200, 9B layer at the serve default's capacity, `bench attention --key-tiles`, 16
+    lanes x 32k keys, one row each: 0.68 ms against 1.36 ms with 64 rows), key tiles of 64 in a 2-stage
+    cp.async pipeline (16 lanes x 128k keys: 8.46 ms with 16-key tiles, 4.74 ms with 64); a verify
+    block's row tiles run side by side and share its K/V in L2 (the grid's innermost axis). A prefill
+    chunk (`prefill`: hundreds of rows, no bits to share with decoding) keeps 64 rows per tile. Narrower
+    heads: 64 rows, 32 keys, 3 stages (not re-measured)."""
+    if head_dim <= 128:
+        return 64, 32, 3
+    return (64 if prefill else 16), 64, 2
 
 
 def split_keys_for(max_keys: int) -> int:
@@ -182,11 +188,11 @@ def split_keys_for(max_keys: int) -> int:
 
 def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
                         mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor,
-                        key_tile: tuple[int, ...] | None = None) -> torch.Tensor:
+                        key_tile: tuple[int, ...] | None = None, prefill: bool = False) -> torch.Tensor:
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
-    BM, BN, stages = tiles(hd)
+    BM, BN, stages = tiles(hd, prefill)
     if key_tile is not None:  # ([BM,] BN, pipeline stages): for bench attention's tile sweep
         BM, BN, stages = key_tile if len(key_tile) == 3 else (BM, *key_tile)
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
@@ -198,7 +204,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         part_lse = torch.empty(L * nkv * splits * R, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    grid = (L * nkv, m_tiles, splits)
+    grid = (m_tiles, L * nkv, splits)
     paged_attention_kernel[grid](
         q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows,
         q if tree_mask is None else tree_mask, out, part_out, part_lse,
@@ -254,4 +260,4 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     # the positions as context_lens) would give lane l another lane's entry
     lanes = [t.long().contiguous() for t in (slot_ids, context_lens, n_rows)]
     return paged_attention_fwd(q, key_pages, value_pages, block_tables.contiguous(), *lanes,
-                               scale, mode, mask, window, split_keys, out, key_tile)
+                               scale, mode, mask, window, split_keys, out, key_tile, prefill=not split)

@@ -34,7 +34,7 @@ DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_k
 
 
 def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, int] | None = None) -> str:
-    BM, BN, stages = tiles(hd)
+    BM, BN, stages = tiles(hd, T * rep)
     if key_tile is not None:
         BN, stages = key_tile
     options = dict(num_warps=8 if hd >= 256 else 4, num_stages=stages)
@@ -52,8 +52,10 @@ def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[in
         out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "a.cubin")],
                              capture_output=True, text=True, check=True).stderr
     found = ", ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads", out))
-    piped = "cp.async pipeline" if "cp.async" in kernel.asm["ptx"] else "no cp.async"
-    return f"BM {BM} BN {BN} stages {stages}: {found}, {kernel.metadata.shared} bytes shared, {piped}"
+    ptx_text = kernel.asm["ptx"]
+    piped = "cp.async pipeline" if "cp.async" in ptx_text else "no cp.async"
+    mma = "wgmma" if "wgmma" in ptx_text else "mma.sync" if "mma.sync" in ptx_text else "no tensor-core op"
+    return f"BM {BM} BN {BN} stages {stages}: {found}, {kernel.metadata.shared} bytes shared, {piped}, {mma}"
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_k
 
 
 def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, int] | None = None) -> str:
-    BM, BN, stages = tiles(hd, T * rep)
+    BM, BN, stages = tiles(hd)
     if key_tile is not None:
         BN, stages = key_tile
     options = dict(num_warps=8 if hd >= 256 else 4, num_stages=stages)

@@ -10,8 +10,8 @@ log-sum-exp; a piece past a lane's length exits at once, so a CUDA graph capture
 capacity replays for any lengths).
 
 Batch invariance: a row's result is the same bits whatever rows, lanes and lengths share the launch.
-BM depends on the head shape and, at wide heads, on whether the block's rows fit in 16 (`tiles`: the two
-heights give the same bits, checked on the GPU), key tiles and splits start at fixed multiples of BN and `split_keys`, and
+BM is fixed per head shape (`tiles`: 16- and 64-row tiles run on different tensor-core instructions whose
+bits differ), key tiles and splits start at fixed multiples of BN and `split_keys`, and
 a tile a row cannot see leaves its running max, sum and accumulator exactly as they were; the split
 size is a function of the table's capacity alone. So attention gives a verify row, a decode row and a
 tree node at the same position the same bits (the products around it must too for equal logits:
@@ -164,20 +164,17 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
-def tiles(head_dim: int, rows: int) -> tuple[int, int, int]:
-    """(BM query rows, BN keys, pipeline stages) per program, for `rows` = T x rep stacked rows per (lane,
-    kv head). Heads wider than 128: key tiles of 64 in a 2-stage cp.async pipeline (H200, 9B layer at the
-    serve default's capacity, `bench attention --key-tiles`: 16 lanes x 128k keys 8.46 ms with 16-key
-    tiles, 4.74 ms with 64), and 16 row tiles when the rows fit in 16 (a decode row: 4 query heads;
-    16 lanes x 32k keys 0.67 ms against 1.36 ms with 64-row tiles, which the tensor cores filled a
-    sixteenth of), else 64 (a 16-row verify block: 64 rows; four 16-row tiles took 2.38 ms against
-    1.44). The two tile heights multiply on different tensor-core instructions (mma.sync at 16 rows,
-    wgmma at 64) whose fp32 products and sums agree to the bit: the batch-invariance test checks a
-    verify block's rows against each row decoded alone at the 9B head shape on the GPU. Narrower heads:
-    64 rows, 32 keys, 3 stages (not re-measured)."""
-    if head_dim <= 128:
-        return 64, 32, 3
-    return (16 if rows <= 16 else 64), 64, 2
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BM query rows, BN keys, pipeline stages) per program. BM is one height per head shape whatever the
+    block (module docstring: batch invariance): heads wider than 128 multiply 64-row tiles on wgmma, and
+    16-row tiles would run on mma.sync, whose bits differ (the GPU batch-invariance test failed with the
+    height chosen per block, H200). 16 rows everywhere would keep the bits and halve a decode row's time
+    (16 lanes x 32k keys, 9B layer at the serve default's capacity: 0.67 against 1.36 ms) but a 16-row
+    verify block would be four tiles that each read its keys (2.38 against 1.44 ms): verify rounds carry
+    speculation, so 64. Keys: tiles of 64 in a 2-stage cp.async pipeline (16 lanes x 128k keys 8.46 ms
+    with 16-key tiles, 4.74 ms with 64; `bench attention --key-tiles`); narrower heads: 64 rows, 32 keys,
+    3 stages (not re-measured)."""
+    return (64, 32, 3) if head_dim <= 128 else (64, 64, 2)
 
 
 def split_keys_for(max_keys: int) -> int:
@@ -194,7 +191,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
-    BM, BN, stages = tiles(hd, T * rep)
+    BM, BN, stages = tiles(hd)
     if key_tile is not None:  # ([BM,] BN, pipeline stages): for bench attention's tile sweep
         BM, BN, stages = key_tile if len(key_tile) == 3 else (BM, *key_tile)
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)

@@ -118,7 +118,7 @@ for step in "$@"; do
                       done ;;
         stepprofile) for lanes in 1 16 64; do  # one step's wall / device time / host ops (bench/step_profile.py)
                          for mode in "" --target-only; do
-                             run stepprofile 120 python3 bench/step_profile.py --lanes $lanes --max-slots 64 $mode
+                             run stepprofile 120 python3 bench/step_profile.py --lanes $lanes --max-slots 64 --split $mode
                          done
                      done ;;
         *) echo "unknown step $step" | tee -a "$LOG" ;;

@@ -3,7 +3,7 @@ the device's busy time per step, and the host-side torch ops and device kernels 
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
     python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
-        [--slowest 5] [--gc-freeze] [--ttft N] [--shape 9b]
+        [--slowest 5] [--gc-freeze] [--split] [--ttft N] [--shape 9b]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 
 --shape 9b / 27b: a target-only engine of that shape (random bf16 weights) instead of the demo pair, for
@@ -132,6 +132,59 @@ def ttft_profile(engine, args) -> None:
     pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
 
 
+def split_profile(engine, step, steps: int) -> None:
+    """Inclusive wall time per step of the step's parts (no profiler: each part wrapped in a timer), for
+    the parts this tree has: what of a host-bound step is scheduling, launching, reading, committing,
+    emitting. Parts nest (the runner's execute holds the round and the commit)."""
+    import importlib
+    import importlib.util
+
+    parts = [(engine, "scheduler.schedule"), (engine, "runner.execute"), (engine, "runner.map_pages"),
+             (engine, "runner._round"), (engine, "runner.verify"), (engine, "runner._commit"), (engine, "_apply"),
+             (engine, "runner.idle_clock.begin"), (engine, "runner.idle_clock.end")]
+    modules = [("deltaflash.engine.runner", name) for name in ("read_emitted", "accept", "commit", "to_device")]
+    modules += [("deltaflash.engine.graphs", "LaneGraphs.run"), ("deltaflash.engine.runner", "CommitPlan.chain"),
+                ("deltaflash.engine.runner", "LaneSampling.build"), ("deltaflash.cache.commit", "validate_plan")]
+    total: dict[str, float] = {}
+
+    def wrap(owner, path: str, label: str):
+        *outer, name = path.split(".")
+        for attr in outer:
+            owner = getattr(owner, attr, None)
+        fn = getattr(owner, name, None) if owner is not None else None
+        if fn is None:
+            return None
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[label] = total.get(label, 0.0) + time.perf_counter() - t
+        setattr(owner, name, timed)
+        return owner, name, fn
+
+    undo = [wrap(engine, path, path) for _, path in parts]
+    for module, path in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # an older tree without the package
+            found = False
+        if found:
+            undo.append(wrap(importlib.import_module(module), path, path))
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    wall = time.perf_counter() - t0
+    for owner, name, fn in filter(None, reversed(undo)):
+        setattr(owner, name, fn)
+    print(f"  parts of a step, inclusive wall time per step ({steps} steps, {1e6 * wall / steps:.1f} us each):")
+    for label, seconds in sorted(total.items(), key=lambda kv: -kv[1]):
+        print(f"    {1e6 * seconds / steps:8.1f} us  {label}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=1)
@@ -142,6 +195,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script")
     ap.add_argument("--rows", type=int, default=18, help="profiler table rows")
     ap.add_argument("--python", action="store_true", help="also the Python functions by own time (cProfile)")
+    ap.add_argument("--split", action="store_true",
+                    help="also the step's parts (scheduling, launches, the read, commit, emitting) by wall time")
     ap.add_argument("--slowest", type=int, default=5, help="list the N slowest steps with what they did")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up, as a server would")
     ap.add_argument("--shape", default="demo", help="demo (the bundled pair), or 9b / 27b / toy: a target-only "
@@ -219,6 +274,8 @@ def main() -> None:
     print("  device kernels by time per step (us, launches per step):")
     for e in kernels[:10]:
         print(f"    {e.self_device_time_total / args.steps:8.1f}  {e.count / args.steps:6.1f}  {kernel_name(e.key)}")
+    if args.split:
+        split_profile(engine, step, args.steps)
     if args.python:  # the host side by Python function: which of the engine's own code a step spends
         import cProfile
         import pstats

@@ -1,4 +1,4 @@
-"""The prefill conv, SwiGLU, RoPE and residual-norm kernels compile for the H200 (sm_90) on a machine without a
+"""The prefill conv, SwiGLU, RoPE, residual-norm and one-launch state commit kernels compile for the H200 (sm_90) on a machine without a
 GPU. The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them as Python and accepts code the
 compiler rejects (a variable redefined with another shape inside an `if`): this catches that before a GPU run
 does."""
@@ -16,6 +16,7 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
+    from deltaflash.ops.gdn.commit import state_commit_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
     from deltaflash.ops.rope.rotary import rope_kernel
 
@@ -45,12 +46,22 @@ SCRIPT = textwrap.dedent("""
             kernel = triton.compile(ASTSource(rms_norm_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=8))
             assert ".entry rms_norm_kernel" in kernel.asm["ptx"]
+    # both commits; then the conv commit alone (the replay's pointers stand in from the conv part: state_commit_fwd)
+    for consts, state in ((dict(W=16, K=128, V=128, BK=128, BV=32, NV=32, V_TILES=4, KC=4, BC=256, C_TILES=32), "fp32"),
+                          (dict(W=16, K=16, V=16, BK=16, BV=16, NV=1, V_TILES=1, KC=4, BC=256, C_TILES=32), "bf16")):
+        pointers = dict(recurrent_state=f"*{state}", replay_log=f"*{state}", conv_history="*bf16", windows="*bf16",
+                        state_slot_ids="*i64", accepted_nodes="*i64", accepted_len="*i64")
+        signature = {n: pointers.get(n, "constexpr" if n in consts else "i64" if n.startswith("stride") else "i32")
+                     for n in state_commit_kernel.arg_names}
+        kernel = triton.compile(ASTSource(state_commit_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
+        assert ".entry state_commit_kernel" in kernel.asm["ptx"] and "fma" not in kernel.asm["ptx"]  # replay update
     print("compiled")
 """)
 
 
 @pytest.mark.timeout(600)
-def test_the_prefill_kernels_compile_for_sm90():
+def test_the_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

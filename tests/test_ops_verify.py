@@ -292,7 +292,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from deltaflash.ops.conv.tree_step import conv_tree_step  # noqa: E402
-from deltaflash.ops.gdn.commit import conv_commit, replay_commit  # noqa: E402
+from deltaflash.ops.gdn.commit import conv_commit, replay_commit, state_commit  # noqa: E402
 from deltaflash.ops.gdn.naive import halving_sum  # noqa: E402
 from deltaflash.ops.gdn.verify import bit_index, gdn_verify, gdn_verify_kernel  # noqa: E402
 from deltaflash.ops.gdn.verify import halving_sum as halving_sum_kernel  # noqa: E402
@@ -520,6 +520,28 @@ def test_conv_commit_kernel_equals_ref_on_tree_paths():
         assert torch.equal(hist, hist_ref)
 
 
+@interpreted
+def test_state_commit_is_both_commits_in_one_launch():
+    """The engine's one-launch commit writes the same recurrent state and conv history, to the bit, as the
+    replay and conv commit kernels one after the other: tree paths cut at every length, a padding lane."""
+    L, W, G = 4, 5, 2
+    p, c = make_gdn(L=L, W=W, G=G, seed=18), make_conv(L=L, W=W, C=40, G=G, seed=19)
+    parents = random_tree_parents(L, W, seed=20)
+    logs = torch.stack([gdn_verify_ref(*verify_args({**p, "layer": g}, parents))[1] for g in range(G)])
+    windows = torch.stack([conv_tree_step_ref(c["rows"], c["history"][:, g], c["slots"], parents, c["weight"])[1]
+                           for g in range(G)])
+    nodes, full = path_plan(parents, lambda lane: W - 1 - lane % 3)
+    for cut in range(W + 1):
+        accepted_len = torch.tensor([min(cut, n) for n in full])
+        pool, hist = p["pool"].clone(), c["history"].clone()
+        state_commit(pool, logs, hist, windows, p["slots"], nodes, accepted_len)
+        pool_two, hist_two = p["pool"].clone(), c["history"].clone()
+        replay_commit(pool_two, logs, p["slots"], nodes, accepted_len)
+        conv_commit(hist_two, windows, c["slots"], nodes, accepted_len)
+        assert torch.equal(pool, pool_two) and torch.equal(hist, hist_two)
+        assert cut == 0 or not torch.equal(pool, p["pool"])  # something was committed
+
+
 @pytest.mark.parametrize("route", ["reference", pytest.param("kernel", marks=interpreted)])
 @pytest.mark.parametrize("case", sorted(REJECTED))
 def test_rejected_commit_changes_nothing(case, route):
@@ -541,4 +563,7 @@ def test_rejected_commit_changes_nothing(case, route):
         replay(pool, logs, slots, nodes, accepted_len)
     with pytest.raises(CommitRejectedError):
         conv(hist, windows, slots, nodes, accepted_len)
+    if route == "kernel":
+        with pytest.raises(CommitRejectedError):
+            state_commit(pool[:, :2], logs[:2], hist, windows, slots, nodes, accepted_len)  # G of the conv pool
     assert torch.equal(pool, p["pool"]) and torch.equal(hist, c["history"])

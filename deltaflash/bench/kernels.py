@@ -86,19 +86,22 @@ def run(args) -> dict:
                      "roofline_ms": roof, "fused/roofline": f_ms / roof,
                      "fused_gdn/roofline": gdn_ms / (gdn_b / (bw * 1e9) * 1e3)})
 
-        # replay commit: all GDN layers (24 in the 9B model), `accepted` rows per lane, one launch
+        # the state commit: replay and conv history of all GDN layers (24 in the 9B model), `accepted` rows per
+        # lane, one launch
         G, acc = args.gdn_layers, args.accepted
         nk, nv, dk, dv, C, K = t["dims"]
         pool = torch.randn(max(2 * L, 8), G, nv, dk, dv, device="cuda") * 0.1
         log = torch.randn(G, L, W, nv, 1 + dk + dv, device="cuda") * 0.01
+        history = torch.randn(pool.shape[0], G, C, K - 1, device="cuda", dtype=torch.bfloat16)
+        windows = torch.randn(G, L, C, K - 1 + W, device="cuda", dtype=torch.bfloat16)
         plan = CommitPlan.chain(t["slot_ids"], torch.full((L,), acc, device="cuda"), W, slot_ids_host=(),
                                 accepted_len_host=(), start_host=())
 
         def commit():  # the kernels' commit: the caller (cache/commit.py) validated the plan
-            fused.replay_commit(pool, log, plan)
+            fused.commit_state(pool, log, history, windows, plan)
 
         c_ms, eager_ms = graph_ms(commit), time_ms(commit, 5, 20)
-        c_bytes = 2 * L * G * nv * dk * dv * 4 + L * G * acc * nv * (1 + dk + dv) * 4
+        c_bytes = 2 * L * G * nv * dk * dv * 4 + L * G * acc * nv * (1 + dk + dv) * 4 + L * G * C * (K - 1) * 2 * 2
         c_roof = c_bytes / (bw * 1e9) * 1e3
         commit_rows.append({"lanes": L, "gdn_layers": G, "accepted_rows": acc, "commit_ms": c_ms,
                             "roofline_ms": c_roof, "commit/roofline": c_ms / c_roof,
@@ -106,7 +109,7 @@ def run(args) -> dict:
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
     print_table(f"GDN verify, one layer (nk 16, nv 32, dk 128, conv channels 8192, W {W}); routes include the conv step",
                 rows)
-    print_table("replay commit (all GDN layers, one launch)", commit_rows)
+    print_table("state commit: replay + conv history (all GDN layers, one launch)", commit_rows)
     result = {"machine": machine(), "copy_bandwidth_gbs": bw, "width": W, "verify": rows, "commit": commit_rows}
     write_json(args.json, result)
     return result

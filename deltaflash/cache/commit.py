@@ -86,8 +86,7 @@ def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels
     """Replay the accepted rows into the recurrent state, rebuild conv history from the windows,
     move accepted tree rows' K/V to their positions and set the committed lengths."""
     validate_plan(pool, plan, out)
-    kernels.replay_commit(pool.recurrent_state, out.replay_log, plan)
-    kernels.conv_commit(pool.conv_history, out.conv_windows, plan)
+    kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
     _compact_tree_rows(pool, plan)
     for slot, start, n in zip(plan.slot_ids_host, plan.start_host, plan.accepted_len_host):
         if slot >= 0:

@@ -30,8 +30,7 @@ class Kernels:
     conv_extend_heads: Callable       # (rows, history, weight, n_rows, nk, nv, dk) -> (q, k, v, new history): prefill
     conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
     gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
-    replay_commit: Callable           # (recurrent_state, replay_log, plan)
-    conv_commit: Callable             # (conv_history, windows, plan)
+    commit_state: Callable            # (recurrent_state, replay_log, conv_history, windows, plan): replay + conv commit
     moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
     silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
     rope: Callable                    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
@@ -56,6 +55,16 @@ def plan_lanes(plan: CommitPlan) -> list[tuple[int, int, int, tuple[int, ...]]]:
     return lanes
 
 
+def _commit_state_ref(state, log, history, windows, plan: CommitPlan) -> None:
+    """The reference commit: the replay, then the conv history, of every lane the plan commits."""
+    from deltaflash.ops.conv.naive import conv_lanes_ref
+    from deltaflash.ops.gdn.naive import replay_lanes_ref
+
+    lanes = plan_lanes(plan)
+    replay_lanes_ref(state, log, lanes)
+    conv_lanes_ref(history, windows, lanes)
+
+
 def _writing_into(fn: Callable, *out_names: str) -> Callable:
     """A reference op returning a tuple, given the fused op's keyword outputs (`out_names`, one per
     result): results are copied into the outputs that are given. Other keywords (the `chains` hint)
@@ -74,8 +83,8 @@ def reference_kernels() -> Kernels:
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.naive import paged_attention_ref
     from deltaflash.ops.conv.extend import conv_extend_heads_ref
-    from deltaflash.ops.conv.naive import conv_lanes_ref, conv_tree_step_ref
-    from deltaflash.ops.gdn.naive import gdn_verify_ref, replay_lanes_ref
+    from deltaflash.ops.conv.naive import conv_tree_step_ref
+    from deltaflash.ops.gdn.naive import gdn_verify_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
     from deltaflash.ops.norm.naive import add_rms_norm_ref, gated_rms_norm_ref, zero_centered_rms_norm_ref
     from deltaflash.ops.rope.naive import apply_rope_ref
@@ -88,8 +97,7 @@ def reference_kernels() -> Kernels:
         conv_extend_heads=conv_extend_heads_ref,
         conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
         gdn_verify=_writing_into(gdn_verify_ref, "out", "replay_log_out"),
-        replay_commit=lambda state, log, plan: replay_lanes_ref(state, log, plan_lanes(plan)),
-        conv_commit=lambda history, windows, plan: conv_lanes_ref(history, windows, plan_lanes(plan)),
+        commit_state=_commit_state_ref,
         moe_experts=moe_experts_ref,
         silu_mul=silu_mul_ref,
         rope=apply_rope_ref,
@@ -104,17 +112,15 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.attention.paged import paged_attention
     from deltaflash.ops.conv.extend import conv_extend_heads
     from deltaflash.ops.conv.tree_step import conv_tree_step
-    from deltaflash.ops.gdn.commit import conv_commit, replay_commit
+    from deltaflash.ops.gdn.commit import state_commit
     from deltaflash.ops.gdn.verify import gdn_verify
     from deltaflash.ops.moe.fused_moe import fused_moe_experts
     from deltaflash.ops.norm.rms_norm import add_rms_norm, gated_rms_norm, zero_centered_rms_norm
     from deltaflash.ops.rope.rotary import apply_rope
 
-    def replay(state, log, plan: CommitPlan):
-        replay_commit(state, log, plan.slot_ids, plan.accepted_nodes, plan.accepted_len, validate=False)
-
-    def conv(history, windows, plan: CommitPlan):
-        conv_commit(history, windows, plan.slot_ids, plan.accepted_nodes, plan.accepted_len, validate=False)
+    def commit_state(state, log, history, windows, plan: CommitPlan):  # the plan was validated on the host
+        state_commit(state, log, history, windows, plan.slot_ids, plan.accepted_nodes, plan.accepted_len,
+                     validate=False)
 
     return Kernels(
         name="triton",
@@ -124,8 +130,7 @@ def triton_kernels() -> Kernels:
         conv_extend_heads=conv_extend_heads,
         conv_tree_step=conv_tree_step,
         gdn_verify=gdn_verify,
-        replay_commit=replay,
-        conv_commit=conv,
+        commit_state=commit_state,
         moe_experts=fused_moe_experts,
         silu_mul=silu_mul,
         rope=apply_rope,

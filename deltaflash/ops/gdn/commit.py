@@ -1,5 +1,6 @@
 """Commit of a verify round: replay the accepted rows of each lane into its slot's recurrent state and
-roll its conv history forward, all lanes and all GDN layers in one launch each.
+roll its conv history forward, all lanes and all GDN layers: `replay_commit`, `conv_commit`, or both in
+one launch (`state_commit`: what the engine runs; a round's commit was two launches of host time).
 
 References: naive.replay_commit_ref, conv.naive.conv_commit_ref. Math and the bitwise contract: README.md.
 """
@@ -14,10 +15,9 @@ from deltaflash.ops.conv.naive import check_conv_commit_shapes
 from deltaflash.ops.gdn.naive import check_commit_lanes, check_replay_commit_shapes
 
 
-# Any number of lanes, one binary (no compile mid-serving): L and the strides that scale with it (the log's and
-# the window's per-layer stride is L times a row) are not specialised by value.
-@triton.jit(do_not_specialize=["L", "stride_r_g"])
-def replay_commit_kernel(
+@triton.jit
+def _replay_program(
+    i_gl, i_h, i_v,
     recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len,
     stride_s_s, stride_s_g, stride_s_h, stride_s_k, stride_s_v,
     stride_r_g, stride_r_l, stride_r_w, stride_r_h,
@@ -25,9 +25,8 @@ def replay_commit_kernel(
     L,
     W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """One program: (layer, lane) i_gl, value head i_h, dv tile i_v. S = gamma S + k delta^T for the
-    lane's accepted rows in token order, exactly the verify kernel's update (fp fusion off)."""
-    i_gl, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """(layer, lane) i_gl, value head i_h, dv tile i_v: S = gamma S + k delta^T for the lane's accepted
+    rows in token order, exactly the verify kernel's update (fp fusion off at the launch)."""
     i_g, i_l = (i_gl // L).to(tl.int64), (i_gl % L).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -52,8 +51,9 @@ def replay_commit_kernel(
         tl.store(p_S, b_S, mask=m_S)
 
 
-@triton.jit(do_not_specialize=["L", "stride_x_g"])
-def conv_commit_kernel(
+@triton.jit
+def _conv_program(
+    i_gl, i_c,
     conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
     stride_h_s, stride_h_g, stride_h_c, stride_h_t,
     stride_x_g, stride_x_l, stride_x_c, stride_x_t,
@@ -61,9 +61,8 @@ def conv_commit_kernel(
     L, C,
     K: tl.constexpr, BC: tl.constexpr,
 ):
-    """One program: (layer, lane) i_gl, channel tile i_c. History column i := element accepted_len + i of
-    the sequence (history (K-1) | accepted path rows), read from the window."""
-    i_gl, i_c = tl.program_id(0), tl.program_id(1)
+    """(layer, lane) i_gl, channel tile i_c: history column i := element accepted_len + i of the sequence
+    (history (K-1) | accepted path rows), read from the window."""
     i_g, i_l = (i_gl // L).to(tl.int64), (i_gl % L).to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
     i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
@@ -80,33 +79,74 @@ def conv_commit_kernel(
         tl.store(p_hist + i * stride_h_t, b_x.to(conv_history.dtype.element_ty), mask=m_c)
 
 
-def replay_commit_fwd(recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len):
-    S, G, nv, dk, dv = recurrent_state.shape
+# Any number of lanes, one binary (no compile mid-serving): L and the strides that scale with it (the log's and
+# the window's per-layer stride is L times a row) are not specialised by value.
+@triton.jit(do_not_specialize=["L", "stride_r_g", "stride_x_g", "REPLAY_PROGRAMS"])
+def state_commit_kernel(
+    recurrent_state, replay_log, conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
+    stride_s_s, stride_s_g, stride_s_h, stride_s_k, stride_s_v,
+    stride_r_g, stride_r_l, stride_r_w, stride_r_h,
+    stride_h_s, stride_h_g, stride_h_c, stride_h_t,
+    stride_x_g, stride_x_l, stride_x_c, stride_x_t,
+    stride_n_l, stride_n_w,
+    L, C, REPLAY_PROGRAMS,
+    W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    V_TILES: tl.constexpr, KC: tl.constexpr, BC: tl.constexpr, C_TILES: tl.constexpr,
+):
+    """Programs 0..REPLAY_PROGRAMS-1 replay (layer x lane, value head, dv tile), flattened; the rest roll
+    the conv history (layer x lane, channel tile). A launch may hold either kind alone."""
+    pid = tl.program_id(0)
+    if pid < REPLAY_PROGRAMS:
+        _replay_program(pid // (NV * V_TILES), (pid // V_TILES) % NV, pid % V_TILES,
+                        recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len,
+                        stride_s_s, stride_s_g, stride_s_h, stride_s_k, stride_s_v,
+                        stride_r_g, stride_r_l, stride_r_w, stride_r_h, stride_n_l, stride_n_w, L, W, K, V, BK, BV)
+    else:
+        pid = pid - REPLAY_PROGRAMS
+        _conv_program(pid // C_TILES, pid % C_TILES,
+                      conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
+                      stride_h_s, stride_h_g, stride_h_c, stride_h_t, stride_x_g, stride_x_l, stride_x_c, stride_x_t,
+                      stride_n_l, stride_n_w, L, C, KC, BC)
+
+
+def state_commit_fwd(recurrent_state, replay_log, conv_history, windows, state_slot_ids, accepted_nodes,
+                     accepted_len):
+    """One launch: the replay (recurrent_state, replay_log; None, None: none) and the conv history roll
+    (conv_history, windows; None, None: none) of every (layer, lane). An absent part launches no program:
+    its pointers and strides stand in from the other part, its tile sizes are placeholders."""
     L = state_slot_ids.shape[0]
+    replay, conv = recurrent_state is not None, conv_history is not None
+    G = (recurrent_state if replay else conv_history).shape[1]
     if G * L == 0:
         return
-    BK, BV = triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 32)
-    replay_commit_kernel[(G * L, nv, triton.cdiv(dv, BV))](
-        recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len,
-        *recurrent_state.stride(), *replay_log.stride()[:4], *accepted_nodes.stride(),
-        L,
-        W=replay_log.shape[2], K=dk, V=dv, BK=BK, BV=BV,
+    if replay:
+        _, _, nv, dk, dv = recurrent_state.shape
+        W = replay_log.shape[2]
+        BK, BV = triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 32)
+        v_tiles = triton.cdiv(dv, BV)
+        replay_args = (*recurrent_state.stride(), *replay_log.stride()[:4])
+    else:
+        nv, dk, dv, BK, BV, v_tiles = 1, 16, 16, 16, 16, 1
+        replay_args = (0,) * 9
+    if conv:
+        C, Km1 = conv_history.shape[2:]
+        W = windows.shape[-1] - Km1
+        BC = min(triton.next_power_of_2(C), 256)
+        c_tiles = triton.cdiv(C, BC)
+        conv_args = (*conv_history.stride(), *windows.stride())
+    else:
+        C, Km1, BC, c_tiles = 0, 1, 16, 1
+        conv_args = (0,) * 8
+    replay_programs = G * L * nv * v_tiles if replay else 0
+    programs = replay_programs + (G * L * c_tiles if conv else 0)
+    state_commit_kernel[(programs,)](
+        recurrent_state if replay else conv_history, replay_log if replay else windows,
+        conv_history if conv else recurrent_state, windows if conv else replay_log,
+        state_slot_ids, accepted_nodes, accepted_len,
+        *replay_args, *conv_args, *accepted_nodes.stride(),
+        L, C, replay_programs,
+        W=W, K=dk, V=dv, BK=BK, BV=BV, NV=nv, V_TILES=v_tiles, KC=Km1 + 1, BC=BC, C_TILES=c_tiles,
         num_warps=4, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
-    )
-
-
-def conv_commit_fwd(conv_history, windows, state_slot_ids, accepted_nodes, accepted_len):
-    S, G, C, Km1 = conv_history.shape
-    L = state_slot_ids.shape[0]
-    if G * L == 0:
-        return
-    BC = min(triton.next_power_of_2(C), 256)
-    conv_commit_kernel[(G * L, triton.cdiv(C, BC))](
-        conv_history, windows, state_slot_ids, accepted_nodes, accepted_len,
-        *conv_history.stride(), *windows.stride(), *accepted_nodes.stride(),
-        L, C,
-        K=Km1 + 1, BC=BC,
-        num_warps=4, num_stages=1,
     )
 
 
@@ -129,8 +169,8 @@ def replay_commit(recurrent_state, replay_log, state_slot_ids, accepted_nodes, a
     _check_plan_device(recurrent_state, state_slot_ids, accepted_nodes, accepted_len, "replay commit")
     if validate:
         check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, recurrent_state.shape[0], W, "replay commit")
-    replay_commit_fwd(recurrent_state, replay_log, state_slot_ids.contiguous(), accepted_nodes,
-                      accepted_len.contiguous())
+    state_commit_fwd(recurrent_state, replay_log, None, None, state_slot_ids.contiguous(), accepted_nodes,
+                     accepted_len.contiguous())
 
 
 def conv_commit(conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, *, validate=True):
@@ -141,4 +181,25 @@ def conv_commit(conv_history, windows, state_slot_ids, accepted_nodes, accepted_
     _check_plan_device(conv_history, state_slot_ids, accepted_nodes, accepted_len, "conv commit")
     if validate:
         check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, conv_history.shape[0], W, "conv commit")
-    conv_commit_fwd(conv_history, windows, state_slot_ids.contiguous(), accepted_nodes, accepted_len.contiguous())
+    state_commit_fwd(None, None, conv_history, windows, state_slot_ids.contiguous(), accepted_nodes,
+                     accepted_len.contiguous())
+
+
+def state_commit(recurrent_state, replay_log, conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, *,
+                 validate=True):
+    """replay_commit and conv_commit in one launch (same arguments, same results to the bit)."""
+    W = check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids)
+    if conv_history.shape[1] != recurrent_state.shape[1]:
+        raise CommitRejectedError(f"state commit: {recurrent_state.shape[1]} GDN layers of recurrent state, "
+                                  f"{conv_history.shape[1]} of conv history")
+    if check_conv_commit_shapes(conv_history, windows, state_slot_ids) != W:
+        raise CommitRejectedError(f"state commit: the replay log has {W} rows per lane, the conv windows "
+                                  f"{windows.shape[-1] - conv_history.shape[-1]}")
+    if replay_log.stride(-1) != 1:
+        raise CommitRejectedError("replay commit: replay_log must be contiguous in its last dim")
+    _check_plan_device(recurrent_state, state_slot_ids, accepted_nodes, accepted_len, "replay commit")
+    _check_plan_device(conv_history, state_slot_ids, accepted_nodes, accepted_len, "conv commit")
+    if validate:
+        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, recurrent_state.shape[0], W, "state commit")
+    state_commit_fwd(recurrent_state, replay_log, conv_history, windows, state_slot_ids.contiguous(), accepted_nodes,
+                     accepted_len.contiguous())

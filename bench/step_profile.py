@@ -137,14 +137,12 @@ def split_profile(engine, step, steps: int) -> None:
     the parts this tree has: what of a host-bound step is scheduling, launching, reading, committing,
     emitting. Parts nest (the runner's execute holds the round and the commit)."""
     import importlib
-    import importlib.util
 
-    parts = [(engine, "scheduler.schedule"), (engine, "runner.execute"), (engine, "runner.map_pages"),
-             (engine, "runner._round"), (engine, "runner.verify"), (engine, "runner._commit"), (engine, "_apply"),
-             (engine, "runner.idle_clock.begin"), (engine, "runner.idle_clock.end")]
-    modules = [("deltaflash.engine.runner", name) for name in ("read_emitted", "accept", "commit", "to_device")]
-    modules += [("deltaflash.engine.graphs", "LaneGraphs.run"), ("deltaflash.engine.runner", "CommitPlan.chain"),
-                ("deltaflash.engine.runner", "LaneSampling.build"), ("deltaflash.cache.commit", "validate_plan")]
+    parts = ("scheduler.schedule", "runner.execute", "runner.map_pages", "runner._round", "runner.verify",
+             "runner._commit", "_apply", "runner.idle_clock.begin", "runner.idle_clock.end")
+    module_parts = {"deltaflash.engine.runner": ("read_emitted", "accept", "commit", "to_device", "CommitPlan.chain",
+                                                 "LaneSampling.build"),
+                    "deltaflash.engine.graphs": ("LaneGraphs.run",), "deltaflash.cache.commit": ("validate_plan",)}
     total: dict[str, float] = {}
 
     def wrap(owner, path: str, label: str):
@@ -164,14 +162,13 @@ def split_profile(engine, step, steps: int) -> None:
         setattr(owner, name, timed)
         return owner, name, fn
 
-    undo = [wrap(engine, path, path) for _, path in parts]
-    for module, path in modules:
+    undo = [wrap(engine, path, path) for path in parts]
+    for name, paths in module_parts.items():
         try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # an older tree without the package
-            found = False
-        if found:
-            undo.append(wrap(importlib.import_module(module), path, path))
+            module = importlib.import_module(name)
+        except ImportError:  # an older tree without the module
+            continue
+        undo += [wrap(module, path, path) for path in paths]
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -157,49 +157,40 @@ def _check_plan_device(pool, state_slot_ids, accepted_nodes, accepted_len, what)
             raise CommitRejectedError(f"{what}: {name} is on {t.device}, the pool on {pool.device}")
 
 
-def replay_commit(recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len, *, validate=True):
-    """Fused replay_commit_ref (same arguments, in place). recurrent_state: the whole pool
-    [S, G, nv, dk, dv] fp32; replay_log [G, L, W, nv, 1+dk+dv] fp32 (last dim contiguous);
-    accepted_nodes [L, W]; accepted_len [L] in 0..W. Validates the whole transaction first (one host
-    sync) and raises CommitRejectedError with nothing changed; validate=False skips the data checks
-    when the caller already ran check_commit_lanes for this transaction."""
-    W = check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids)
-    if replay_log.stride(-1) != 1:
-        raise CommitRejectedError("replay commit: replay_log must be contiguous in its last dim")
-    _check_plan_device(recurrent_state, state_slot_ids, accepted_nodes, accepted_len, "replay commit")
+def state_commit(recurrent_state, replay_log, conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, *,
+                 validate=True):
+    """The fused commit, in place, in one launch: replay_commit_ref on (recurrent_state, replay_log) and
+    conv_commit_ref on (conv_history, windows) - either pair may be None. recurrent_state: the whole pool
+    [S, G, nv, dk, dv] fp32; replay_log [G, L, W, nv, 1+dk+dv] fp32 (last dim contiguous); conv_history
+    [S, G, C, K-1]; windows [G, L, C, K-1+W]; accepted_nodes [L, W]; accepted_len [L] in 0..W. Validates
+    the whole transaction first (one host sync) and raises CommitRejectedError with nothing changed;
+    validate=False skips the data checks when the caller already ran check_commit_lanes for it."""
+    widths, pools = [], []
+    if recurrent_state is not None:
+        widths.append(check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids))
+        if replay_log.stride(-1) != 1:
+            raise CommitRejectedError("replay commit: replay_log must be contiguous in its last dim")
+        _check_plan_device(recurrent_state, state_slot_ids, accepted_nodes, accepted_len, "replay commit")
+        pools.append(recurrent_state)
+    if conv_history is not None:
+        widths.append(check_conv_commit_shapes(conv_history, windows, state_slot_ids))
+        _check_plan_device(conv_history, state_slot_ids, accepted_nodes, accepted_len, "conv commit")
+        pools.append(conv_history)
+    if len(set(widths)) > 1 or len({pool.shape[:2] for pool in pools}) > 1:
+        raise CommitRejectedError(f"state commit: the replay log and the conv windows disagree (rows per lane "
+                                  f"{widths}; slots x GDN layers {[tuple(pool.shape[:2]) for pool in pools]})")
     if validate:
-        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, recurrent_state.shape[0], W, "replay commit")
-    state_commit_fwd(recurrent_state, replay_log, None, None, state_slot_ids.contiguous(), accepted_nodes,
+        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, pools[0].shape[0], widths[0], "commit")
+    state_commit_fwd(recurrent_state, replay_log, conv_history, windows, state_slot_ids.contiguous(), accepted_nodes,
                      accepted_len.contiguous())
+
+
+def replay_commit(recurrent_state, replay_log, state_slot_ids, accepted_nodes, accepted_len, *, validate=True):
+    """state_commit of the recurrent state alone (replay_commit_ref's arguments)."""
+    state_commit(recurrent_state, replay_log, None, None, state_slot_ids, accepted_nodes, accepted_len,
+                 validate=validate)
 
 
 def conv_commit(conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, *, validate=True):
-    """Fused conv_commit_ref (same arguments, in place). conv_history: the whole pool [S, G, C, K-1];
-    windows [G, L, C, K-1+W]; accepted_nodes [L, W]; accepted_len [L] in 0..W. Validation as
-    replay_commit."""
-    W = check_conv_commit_shapes(conv_history, windows, state_slot_ids)
-    _check_plan_device(conv_history, state_slot_ids, accepted_nodes, accepted_len, "conv commit")
-    if validate:
-        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, conv_history.shape[0], W, "conv commit")
-    state_commit_fwd(None, None, conv_history, windows, state_slot_ids.contiguous(), accepted_nodes,
-                     accepted_len.contiguous())
-
-
-def state_commit(recurrent_state, replay_log, conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, *,
-                 validate=True):
-    """replay_commit and conv_commit in one launch (same arguments, same results to the bit)."""
-    W = check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids)
-    if conv_history.shape[1] != recurrent_state.shape[1]:
-        raise CommitRejectedError(f"state commit: {recurrent_state.shape[1]} GDN layers of recurrent state, "
-                                  f"{conv_history.shape[1]} of conv history")
-    if check_conv_commit_shapes(conv_history, windows, state_slot_ids) != W:
-        raise CommitRejectedError(f"state commit: the replay log has {W} rows per lane, the conv windows "
-                                  f"{windows.shape[-1] - conv_history.shape[-1]}")
-    if replay_log.stride(-1) != 1:
-        raise CommitRejectedError("replay commit: replay_log must be contiguous in its last dim")
-    _check_plan_device(recurrent_state, state_slot_ids, accepted_nodes, accepted_len, "replay commit")
-    _check_plan_device(conv_history, state_slot_ids, accepted_nodes, accepted_len, "conv commit")
-    if validate:
-        check_commit_lanes(state_slot_ids, accepted_nodes, accepted_len, recurrent_state.shape[0], W, "state commit")
-    state_commit_fwd(recurrent_state, replay_log, conv_history, windows, state_slot_ids.contiguous(), accepted_nodes,
-                     accepted_len.contiguous())
+    """state_commit of the conv history alone (conv_commit_ref's arguments)."""
+    state_commit(None, None, conv_history, windows, state_slot_ids, accepted_nodes, accepted_len, validate=validate)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -309,9 +309,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         first, graphed = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, False)
         t1 = clock = time.perf_counter()
-        round_, marks = None, []
+        round_, marks, commit_s = None, [], 0.0
+        early = False  # the round's commit launched before the read
         if plan.decode:
-            round_, marks = self._round(plan)
+            round_, marks = self._round(plan)  # marks: the draft's end, the verify's end
+            # a width-1 chain round accepts no draft: every lane commits its anchor row, which the host
+            # knows now, so the commit is validated and launched behind the verify, not after the read
+            early = plan.round_width == 1 and round_.tree is None
+            if early:
+                ts = self._now()
+                self._commit(plan, round_, (0,) * len(plan.decode))
+                commit_s = self._now() - ts
         overlap_s = 0.0
         if overlap is not None:
             ts = time.perf_counter()
@@ -322,16 +330,16 @@ class ModelRunner:
         # only a read waits for the device to pass the step's begin event (a prefill chunk that does not
         # finish its prompt has nothing to read: its wait is not measured)
         idle = self.idle_clock.idle_s() if first is not None or round_ is not None else None
-        if round_ is not None:
-            marks.append(self._now())
-            self._commit(plan, round_, round_out, parents[0] if parents else None)
-            marks.append(self._now())
+        read = self._now()
+        if round_ is not None and not early:
+            self._commit(plan, round_, round_out.accepted, round_out.paths, parents[0] if parents else None)
+            commit_s = self._now() - read
         self.idle_clock.end()
         phases = RoundPhases()
-        if round_ is not None:  # the host's own time: the overlap work is the caller's (it fell in accept_s)
-            spans = [b - a for a, b in zip([clock, *marks], marks)]
-            spans[2] -= overlap_s
-            phases = RoundPhases(*spans)
+        if round_ is not None:  # the host's own time: the overlap work is the caller's (it fell in the accept)
+            drafted, verified = marks
+            phases = RoundPhases(drafted - clock, verified - drafted,
+                                 read - verified - overlap_s - (commit_s if early else 0.0), commit_s)
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
                           decode_s=time.perf_counter() - t1 - overlap_s if round_ else 0.0, phases=phases,
                           prefill_graphed=graphed, device_idle_s=idle)
@@ -456,12 +464,14 @@ class ModelRunner:
             masks = to_device(lane_masks(seqs, host, width, grammar[0].words), self.device)
         return LogitRules.build(seqs, self.cfg.vocab_size, self.device, masks)
 
-    def _commit(self, plan: StepPlan, round_: _Round, emitted: Emitted, parents: list[int] | None) -> None:
-        """Commit each lane's anchor and accepted drafts (a tree round: the accepted path's nodes, read
-        with the results, as are the trees' parents for the plan's validation); they become draft context."""
+    def _commit(self, plan: StepPlan, round_: _Round, accepted: Sequence[int],
+                paths: tuple[tuple[int, ...], ...] | None = None, parents: list[int] | None = None) -> None:
+        """Commit each lane's anchor and its `accepted` drafts (a tree round: the accepted path's nodes,
+        `paths`, read with the results, as are the trees' `parents` for the plan's validation); they
+        become draft context."""
         W, L = plan.round_width, len(plan.decode)
         n_rows = round_.accepted.counts + 1
-        host = dict(slot_ids_host=tuple(s.slot for s in plan.decode), accepted_len_host=tuple(n + 1 for n in emitted.accepted),
+        host = dict(slot_ids_host=tuple(s.slot for s in plan.decode), accepted_len_host=tuple(n + 1 for n in accepted),
                     start_host=tuple(s.position for s in plan.decode))
         path = round_.accepted.path
         if path is None:
@@ -470,7 +480,7 @@ class ModelRunner:
             nodes = torch.zeros(L, W, dtype=torch.long, device=self.device)
             nodes[:, :path.shape[1]] = path
             commit_plan = CommitPlan(slot_ids=round_.slot_ids, accepted_nodes=nodes, accepted_len=n_rows,
-                                     accepted_nodes_host=emitted.paths,
+                                     accepted_nodes_host=paths,
                                      parents_host=tuple(tuple(parents[i * W:(i + 1) * W]) for i in range(L)), **host)
         commit(self.pool, commit_plan, round_.out, self.kernels)
         if self.source is not None and round_.out.taps is not None:

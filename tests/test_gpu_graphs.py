@@ -32,15 +32,15 @@ def decoding(engine, prompts, max_new_tokens=50):
     return list(engine.scheduler.running.values())
 
 
-def cuda_pair(tmp_path, seed: int):
-    """A tiny fp32 target and DFlash drafter (tests.spec_pairs.make_pair) loaded on CUDA."""
+def cuda_pair(tmp_path, seed: int, dtype=torch.float32):
+    """A tiny target and DFlash drafter (tests.spec_pairs.make_pair) loaded on CUDA, fp32 unless `dtype` says."""
     from deltaflash.models.dflash import load_drafter
     from tests.spec_pairs import make_pair
 
     target_dir, draft_dir = make_pair(tmp_path, "dense_gqa", "dflash", seed=seed)
-    model = load_model(target_dir, device="cuda", dtype=torch.float32, progress=False)
+    model = load_model(target_dir, device="cuda", dtype=dtype, progress=False)
     drafter = load_drafter(draft_dir, target_hidden_size=model.cfg.hidden_size, target_vocab_size=model.cfg.vocab_size,
-                           target_num_layers=model.cfg.num_layers, dtype=torch.float32, device="cuda")
+                           target_num_layers=model.cfg.num_layers, dtype=dtype, device="cuda")
     return model, drafter
 
 
@@ -73,13 +73,55 @@ def test_graph_replay_equals_eager(folder, dtype):
     assert torch.equal(before[0], runner.pool.recurrent_state) and torch.equal(before[1], runner.pool.conv_history)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_graph_commits_as_eager_verify_and_commit(tmp_path, dtype):
+    """A width-1 round's graph also commits its rows and appends them as draft context: the logits, the
+    state, the conv history, the draft context and the lengths equal an eager verify of the same
+    (padded) lanes followed by the commit transaction and the append, to the bit."""
+    from deltaflash.cache.commit import commit
+    from deltaflash.core.batch import CommitPlan, VerifyOutput
+
+    model, drafter = cuda_pair(tmp_path, seed=4, dtype=dtype)
+    engine = Engine(model, None, drafter, EngineConfig(max_slots=6, max_model_len=128))
+    runner, pool = engine.runner, engine.runner.pool
+    assert runner.decode_graphs is not None
+    seqs = decoding(engine, [[5, 6, 7], list(range(1, 30)), list(range(40, 51))])[::-1]  # permuted lanes
+    for s in seqs:
+        give_pages(engine, s.slot, s.position + 1)
+    slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
+    anchors = torch.tensor([[s.pending] for s in seqs], device="cuda")
+    slot_ids, start = torch.tensor(slots, device="cuda"), torch.tensor(starts, device="cuda")
+    context = runner.source.context
+    pools = lambda: [pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache, context.key, context.value]
+    before = [t.clone() for t in pools()]
+    with torch.inference_mode():
+        graphed = runner.decode(anchors, slot_ids, start, slots, starts)  # bucket 4: one padding lane
+        graphed_logits, after = graphed.logits.clone(), [t.clone() for t in pools()]
+        lengths = [pool.lengths[s] for s in slots]
+        for t, b in zip(pools(), before):  # back to the state before the round
+            t.copy_(b)
+        for s, p in zip(slots, starts):
+            pool.lengths[s] = p
+        pad = lambda x, v: torch.cat([x, x.new_full((1, *x.shape[1:]), v)])
+        logits, taps, windows, log = runner._verify_rows(pad(anchors, 0), pad(slot_ids, -1), pad(start, 0))
+        out = VerifyOutput(logits[:3], taps[:3], windows.movedim(0, 1)[:, :3], log.movedim(0, 1)[:, :3])
+        plan = CommitPlan.chain(slot_ids, torch.ones_like(slot_ids), 1, slot_ids_host=slots,
+                                accepted_len_host=(1,) * 3, start_host=starts)
+        commit(pool, plan, out, runner.kernels)
+        runner.source.append(slot_ids[:, None], start[:, None], out.taps)
+    assert torch.equal(graphed_logits, out.logits)
+    assert all(torch.equal(a, b) for a, b in zip(after, pools()))
+    assert not torch.equal(after[0], before[0]) and lengths == [p + 1 for p in starts]
+
+
 def test_every_graph_is_captured_at_start_and_none_inside_requests(folder, monkeypatch):
     model = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
     engine = Engine(model, config=EngineConfig(max_slots=5, max_model_len=128),
                     draft_source=ScriptedSource({}, 4, 96))
     graphs = engine.runner.graphs
     assert graphs.buckets == (1, 2, 4, 8) and engine.config.widths == (1, 4)  # speculation "auto": fixed on CUDA
-    assert {g.name for g in graphs.functions} == {"verify W=1", "verify W=4", "prefill of 64 rows", "prefill of 128 rows"}
+    assert {g.name for g in graphs.functions} == {"decode W=1 (verify + commit)", "verify W=4", "prefill of 64 rows",
+                                                  "prefill of 128 rows"}
     assert all(set(g.graphs) == set(g.buckets) for g in graphs.functions)
     assert engine.runner.prefill_graphs[128].buckets == graphs.buckets  # five slots' chunks of 128 rows fit
     assert engine.startup_s > 0

@@ -30,6 +30,14 @@ def validate_plan(pool: SlotPool, plan: CommitPlan, out: VerifyOutput) -> None:
     for name, (got, want) in expect.items():
         if got != want:
             raise CommitRejectedError(f"{name} is {list(got)}, expected {list(want)} for {L} lanes of width {W}")
+    check_lanes(pool, plan, W)
+
+
+def check_lanes(pool: SlotPool, plan: CommitPlan, width: int) -> None:
+    """validate_plan's checks of the plan's lanes (its host mirrors) against the pool, for verify rows of
+    `width` per lane: what a caller whose verify outputs have the right shapes by construction (the
+    runner's decode graph, which commits inside the replay) runs before the first write."""
+    L, W = len(plan.slot_ids_host), width
     if len(plan.accepted_len_host) != L or len(plan.start_host) != L:
         raise CommitRejectedError(f"plan: {L} slot ids, {len(plan.accepted_len_host)} accepted lengths, "
                                   f"{len(plan.start_host)} starts")
@@ -88,9 +96,15 @@ def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels
     validate_plan(pool, plan, out)
     kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
     _compact_tree_rows(pool, plan)
+    record_lengths(pool, plan)
+
+
+def record_lengths(pool: SlotPool, plan: CommitPlan) -> None:
+    """The committed lengths after `plan` (host bookkeeping: the last step of a commit)."""
+    lengths = pool.lengths
     for slot, start, n in zip(plan.slot_ids_host, plan.start_host, plan.accepted_len_host):
         if slot >= 0:
-            pool.lengths[slot] = start + n
+            lengths[slot] = start + n
 
 
 def _compact_tree_rows(pool: SlotPool, plan: CommitPlan) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltaflash.cache.commit import commit
+from deltaflash.cache.commit import check_lanes, commit, record_lengths
 from deltaflash.cache.draft_context import DraftContextCache
 from deltaflash.cache.pages import pages_for
 from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
@@ -76,6 +76,7 @@ class _Round:
     out: VerifyOutput
     accepted: Accepted
     tree: DraftTree | None = None
+    committed: bool = False  # a width-1 round: its rows were committed with the verify (ModelRunner.decode)
 
 
 class IdleClock:
@@ -150,10 +151,14 @@ class ModelRunner:
         self.shard_logits = model.vocab.sharded
         self.widths = (1,) if config.tree_budget else config.widths  # chain widths (trees: their own graph)
         self.verify_graphs = {}
+        self.decode_graphs = None  # width-1 rounds: the verify forward and the commit of its row, one graph
         if self.graphs is not None:
             for w in self.widths:
                 inputs = ((w,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0)
-                self.verify_graphs[w] = self.graphs.add(f"verify W={w}", self._verify_rows, inputs)
+                if w == 1 and self.kernels.fused:  # (the reference commit walks host lanes: not capturable)
+                    self.decode_graphs = self.graphs.add("decode W=1 (verify + commit)", self._decode_rows, inputs)
+                else:
+                    self.verify_graphs[w] = self.graphs.add(f"verify W={w}", self._verify_rows, inputs)
             if config.tree_budget:
                 N = config.tree_budget
                 inputs = ((N,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((N,), torch.long, -1), \
@@ -251,10 +256,12 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all(progress)
         else:
-            for w in self.widths:  # the verify route's kernels, on one padding lane
-                self._verify_rows(torch.zeros(1, w, dtype=torch.long, device=self.device),
-                                  torch.full((1,), -1, device=self.device), torch.zeros(1, dtype=torch.long,
-                                                                                        device=self.device))
+            zeros, padding = (torch.full((1,), v, dtype=torch.long, device=self.device) for v in (0, -1))
+            for w in self.widths:  # the verify route's kernels (and at width 1 the commit's), on one padding lane
+                if w == 1:
+                    self.decode(zeros[:, None], padding, zeros, (-1,), (0,))
+                else:
+                    self._verify_rows(zeros.expand(1, w), padding, zeros)
         for n in sorted({1, min(64, self.config.max_model_len)}):  # prefill kernels on slot 0, then reset
             batch = ExtendBatch.build([(0, 0, [0] * n)], self.device)
             self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
@@ -266,8 +273,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def calibrate(self, reps: int = 2) -> RoundCosts:
-        """Seconds of a round's device work (the draft when it drafts, and the verify forward) at every
-        lane bucket and width, timed on padding lanes (the last of `reps` runs): the seed of the cost
+        """Seconds of a round's device work (the draft when it drafts, and the verify forward; at width 1
+        with its commit) at every lane bucket and width, timed on padding lanes (which commit nothing;
+        the last of `reps` runs): the seed of the cost
         model that load-adaptive speculation uses (speculative/policy.py)."""
         costs = RoundCosts()
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
@@ -281,7 +289,10 @@ class ModelRunner:
                     t0 = time.perf_counter()
                     if w > 1 and isinstance(self.source, DFlashSource):  # scripted drafts: host time, measured online
                         self.source.draft((), slot_ids, zeros, zeros, sampling)
-                    self.verify(torch.zeros(bucket, w, dtype=torch.long, device=self.device), slot_ids, zeros, w)
+                    if w == 1:
+                        self.decode(zeros[:, None], slot_ids, zeros, (-1,) * bucket, (0,) * bucket)
+                    else:
+                        self.verify(torch.zeros(bucket, w, dtype=torch.long, device=self.device), slot_ids, zeros, w)
                     sync()
                     seconds = time.perf_counter() - t0
                 costs.seeds[(bucket, w)] = seconds
@@ -309,17 +320,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         first, graphed = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, False)
         t1 = clock = time.perf_counter()
-        round_, marks, commit_s = None, [], 0.0
-        early = False  # the round's commit launched before the read
+        round_, marks = None, []
         if plan.decode:
             round_, marks = self._round(plan)  # marks: the draft's end, the verify's end
-            # a width-1 chain round accepts no draft: every lane commits its anchor row, which the host
-            # knows now, so the commit is validated and launched behind the verify, not after the read
-            early = plan.round_width == 1 and round_.tree is None
-            if early:
-                ts = self._now()
-                self._commit(plan, round_, (0,) * len(plan.decode))
-                commit_s = self._now() - ts
         overlap_s = 0.0
         if overlap is not None:
             ts = time.perf_counter()
@@ -331,15 +334,13 @@ class ModelRunner:
         # finish its prompt has nothing to read: its wait is not measured)
         idle = self.idle_clock.idle_s() if first is not None or round_ is not None else None
         read = self._now()
-        if round_ is not None and not early:
+        if round_ is not None and not round_.committed:
             self._commit(plan, round_, round_out.accepted, round_out.paths, parents[0] if parents else None)
-            commit_s = self._now() - read
         self.idle_clock.end()
         phases = RoundPhases()
         if round_ is not None:  # the host's own time: the overlap work is the caller's (it fell in the accept)
-            drafted, verified = marks
-            phases = RoundPhases(drafted - clock, verified - drafted,
-                                 read - verified - overlap_s - (commit_s if early else 0.0), commit_s)
+            drafted, verified = marks  # (a width-1 round commits inside its verify)
+            phases = RoundPhases(drafted - clock, verified - drafted, read - verified - overlap_s, self._now() - read)
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
                           decode_s=time.perf_counter() - t1 - overlap_s if round_ else 0.0, phases=phases,
                           prefill_graphed=graphed, device_idle_s=idle)
@@ -439,8 +440,10 @@ class ModelRunner:
             drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)
             drafts, draft_q = drafts[:, :W - 1], None if draft_q is None else draft_q[:, :W - 1]
         marks = [self._now()]
-        rows = anchors[:, None] if W == 1 else torch.cat([anchors[:, None], drafts], dim=1)
-        out = self.verify(rows, slot_ids, start, max(starts) + W)
+        if W == 1:
+            out = self.decode(anchors[:, None], slot_ids, start, slots, starts)
+        else:
+            out = self.verify(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start, max(starts) + W)
         marks.append(self._now())
         rules, logprobs = self._rules(seqs, drafts, W), top_logprobs(seqs)
         if self.shard_logits and sampling.all_greedy and rules is None and logprobs is None:
@@ -448,7 +451,7 @@ class ModelRunner:
             accepted = accept(None, drafts, None, n_draft, sampling, argmax=self.model.vocab.argmax(out.logits))
         else:
             accepted = accept(self._whole_rows(out.logits), drafts, draft_q, n_draft, sampling, rules, logprobs)
-        return _Round(slot_ids, start, out, accepted), marks
+        return _Round(slot_ids, start, out, accepted, committed=W == 1), marks
 
     def _whole_rows(self, logits: Tensor) -> Tensor:
         """A verify forward's logits over the whole vocabulary (a vocabulary-parallel rank's share gathered)."""
@@ -492,6 +495,40 @@ class ModelRunner:
             self.source.append(kept, round_.start[:, None] + rows, taps)
 
     # ---- the verify forward -------------------------------------------------------------------
+    def decode(self, anchors: Tensor, slot_ids: Tensor, start: Tensor, slots_host: Sequence[int],
+               starts_host: Sequence[int]) -> VerifyOutput:
+        """A width-1 round's verify forward of anchors [L, 1] AND its commit. Such a round accepts no
+        draft, so every lane commits its one row whatever the logits say: the plan is known before the
+        round, validated now, and committed right behind the verify - inside the decode graph when one
+        holds the lanes (no launch after the step's read) - then appended to the draft context."""
+        L = len(slots_host)
+        plan = CommitPlan.chain(slot_ids, torch.ones_like(slot_ids), 1, slot_ids_host=slots_host,
+                                accepted_len_host=(1,) * L, start_host=starts_host)
+        if self.decode_graphs is not None and L <= self.decode_graphs.buckets[-1]:
+            check_lanes(self.pool, plan, 1)  # before the replay's first write
+            logits, taps, windows, log = self.decode_graphs.run(anchors, slot_ids, start)
+            record_lengths(self.pool, plan)
+            return VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1),
+                                replay_log=log.movedim(0, 1))
+        out = self.verify(anchors, slot_ids, start, max(starts_host) + 1)
+        commit(self.pool, plan, out, self.kernels)
+        if self.source is not None and out.taps is not None:
+            self.source.append(slot_ids[:, None], start[:, None], out.taps)
+        return out
+
+    def _decode_rows(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor):
+        """What the decode graph captures: _verify_rows of one row per lane, the fused commit of that row
+        (it reads device data only; the host checked the lanes before the replay, and padding lanes,
+        slot -1, commit nothing) and the row's draft context."""
+        out = logits, taps, windows, log = self._verify_rows(input_ids, slot_ids, start)
+        ones = torch.ones_like(slot_ids)  # (the plan's host mirrors are the caller's: check_lanes)
+        plan = CommitPlan.chain(slot_ids, ones, 1, slot_ids_host=(), accepted_len_host=(), start_host=())
+        self.kernels.commit_state(self.pool.recurrent_state, log.movedim(0, 1), self.pool.conv_history,
+                                  windows.movedim(0, 1), plan)
+        if self.source is not None and taps is not None:
+            self.source.append(slot_ids[:, None], start[:, None], taps, graphs=False)
+        return out
+
     def verify(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int,
                tree: DraftTree | None = None) -> VerifyOutput:
         """Rows input_ids [L, W] of lanes slot_ids [L] from positions start [L] - chains, or the nodes of

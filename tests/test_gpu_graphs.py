@@ -77,7 +77,7 @@ def test_graph_replay_equals_eager(folder, dtype):
 def test_decode_graph_commits_as_eager_verify_and_commit(tmp_path, dtype):
     """A width-1 round's graph also commits its rows and appends them as draft context: the logits, the
     state, the conv history, the draft context and the lengths equal an eager verify of the same
-    (padded) lanes followed by the commit transaction and the append, to the bit."""
+    (padded) lanes followed by the commit transaction and the append of the same lanes, to the bit."""
     from deltaflash.cache.commit import commit
     from deltaflash.core.batch import CommitPlan, VerifyOutput
 
@@ -108,9 +108,11 @@ def test_decode_graph_commits_as_eager_verify_and_commit(tmp_path, dtype):
         plan = CommitPlan.chain(slot_ids, torch.ones_like(slot_ids), 1, slot_ids_host=slots,
                                 accepted_len_host=(1,) * 3, start_host=starts)
         commit(pool, plan, out, runner.kernels)
-        runner.source.append(slot_ids[:, None], start[:, None], out.taps)
+        # the graph appends its bucket's 4 lanes eagerly (the drafter's projection GEMM sees 4 rows)
+        runner.source.append(pad(slot_ids, -1)[:, None], pad(start, 0)[:, None], taps, graphs=False)
     assert torch.equal(graphed_logits, out.logits)
-    assert all(torch.equal(a, b) for a, b in zip(after, pools()))
+    names = ("recurrent state", "conv history", "keys", "values", "draft context keys", "draft context values")
+    assert [n for n, a, b in zip(names, after, pools()) if not torch.equal(a, b)] == []
     assert not torch.equal(after[0], before[0]) and lengths == [p + 1 for p in starts]
 
 
@@ -286,3 +288,20 @@ def test_the_devices_wait_for_the_host_is_measured_between_busy_steps(folder):
     time.sleep(0.05)
     engine.step(reports.append)
     assert reports[-1].device_idle_s >= 0.04
+
+
+def test_pinned_staging_keeps_queued_copies_intact_as_it_wraps():
+    """Host lists staged through the pinned ring (core/batch.py) reach the device intact while the device
+    is still busy with earlier work and the ring goes round both halves several times: a half is written
+    again only after the copies queued from it have run."""
+    from deltaflash.core.batch import PinnedStaging, to_device
+
+    rows = 40 * 97 * 8  # bytes per call
+    calls = 6 * 2 * PinnedStaging.HALF_BYTES // rows
+    torch.cuda._sleep(50_000_000)  # the copies below queue behind this
+    want = [[[i * 1000 + j for j in range(97)] for _ in range(40)] for i in range(calls)]
+    got = [to_device(values, "cuda") for values in want]
+    floats = to_device([0.5, -2.25], "cuda", torch.float32)
+    flags = to_device([True, False, True], "cuda", torch.bool)
+    assert [g.tolist() for g in got] == want
+    assert floats.tolist() == [0.5, -2.25] and flags.tolist() == [True, False, True]

@@ -9,17 +9,68 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 def to_device(values: Sequence | torch.Tensor, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host list / CPU tensor on `device` without waiting for the device (pinned, non-blocking copy
-    on CUDA; the caching host allocator keeps the pinned block alive until the copy is done)."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    """A host list (nested lists: rows of one length) / CPU tensor on `device` without waiting for the
+    device: on CUDA a non-blocking copy from pinned memory (lists stage through PinnedStaging, a CPU
+    tensor is pinned by the caching host allocator, which keeps the block alive until the copy is done).
+    Lists are parsed by numpy: torch.tensor takes about 8x as long for a step's 5 x 64 ints."""
     device = torch.device(device)
+    if isinstance(values, torch.Tensor):
+        return values.to(device) if device.type != "cuda" else values.pin_memory().to(device, non_blocking=True)
+    array = np.asarray(values, dtype=_NUMPY_TYPES.get(dtype) or torch.empty(0, dtype=dtype).numpy().dtype)
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.from_numpy(array).to(device)
+    return PinnedStaging.of(device).copy(array, dtype, device)
+
+
+_NUMPY_TYPES = {torch.long: np.int64, torch.float32: np.float32, torch.int32: np.int32, torch.bool: np.bool_}
+
+
+class PinnedStaging:
+    """One pinned host buffer per device that small host -> device copies stage through: numpy writes the
+    values into it and one asynchronous copy moves them (H200, a step's 5 x 64 ints: 25 us against 68 for
+    building a tensor, pinning it and copying). The buffer is a ring of two halves: a copy that would
+    write into the other half first waits for the copies last queued from it (an event recorded when the
+    ring left it; long done in practice: a serving step reads its results every few kilobytes). Copies
+    that do not fit in a half, or made while a CUDA graph is being captured (a replay would read the
+    buffer again later), take the caching allocator's own pinned blocks. One engine thread uses it."""
+
+    _by_device: dict[int, "PinnedStaging"] = {}
+    HALF_BYTES = 1 << 19
+
+    @classmethod
+    def of(cls, device: torch.device) -> "PinnedStaging":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in cls._by_device:
+            cls._by_device[index] = cls()
+        return cls._by_device[index]
+
+    def __init__(self):
+        self.buffer = torch.empty(2 * self.HALF_BYTES, dtype=torch.uint8).pin_memory()
+        self.bytes = self.buffer.numpy()
+        self.half, self.offset = 0, 0  # the half being filled, the next free byte
+        self.left: list[torch.cuda.Event | None] = [None, None]  # per half: recorded when the ring left it
+
+    def copy(self, array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = array.nbytes
+        if n > self.HALF_BYTES or n == 0 or torch.cuda.is_current_stream_capturing():
+            return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+        start = -(-self.offset // 16) * 16  # aligned for any element type
+        if start + n > (self.half + 1) * self.HALF_BYTES:  # on into the other half
+            event = torch.cuda.Event()
+            event.record()
+            self.left[self.half] = event
+            self.half = 1 - self.half
+            if self.left[self.half] is not None:
+                self.left[self.half].synchronize()
+            start = self.half * self.HALF_BYTES
+        self.bytes[start:start + n] = array.reshape(-1).view(np.uint8)
+        self.offset = start + n
+        return self.buffer[start:start + n].view(dtype).view(array.shape).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

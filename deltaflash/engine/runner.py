@@ -4,7 +4,8 @@ It owns the device state: the slot pool, the draft source's context, the CUDA gr
 start by `warm_up`). One step: reset admitted slots -> prefill chunks (first tokens sampled on the
 device) -> the round: draft (width > 1) -> verify (one target forward, replayed from the graph of its
 lane bucket) -> accept (on the device) -> ONE read of every result to the host -> commit (validated on
-the host, then the kernels) and the new draft context. Plain decoding is the same round at width 1.
+the host, then the kernels) and the new draft context. Plain decoding is the same round at width 1,
+whose commit (one row per lane, known before the round) is checked first and runs with the verify.
 """
 
 from __future__ import annotations

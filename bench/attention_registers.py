@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from deltaflash.ops.attention.paged import paged_attention_kernel, tiles
+from deltaflash.ops.attention.paged import paged_attention_kernel, sub_tiles, tiles
 
 POINTERS = dict(q="*bf16", k_pages="*bf16", v_pages="*bf16", block_tables="*i32", slot_ids="*i64",
                 context_lens="*i64", n_rows="*i64", tree_mask="*i8", out="*bf16", part_out="*fp32", part_lse="*fp32")
@@ -33,12 +33,13 @@ DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_k
                              "stride_o_h", "page_size", "split_keys"}
 
 
-def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, int] | None = None) -> str:
+def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, ...] | None = None) -> str:
     BM, BN, stages = tiles(hd)
     if key_tile is not None:
-        BN, stages = key_tile
+        BM, BN, stages = key_tile if len(key_tile) == 3 else (BM, *key_tile)
+    SUB = sub_tiles(T * rep, BM)
     options = dict(num_warps=8 if hd >= 256 else 4, num_stages=stages)
-    consts = dict(REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, BN=BN, MODE=mode, WINDOWED=False,
+    consts = dict(REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, SUB=SUB, BN=BN, MODE=mode, WINDOWED=False,
                   SPLIT=splits > 1, IEEE=False)
     names = paged_attention_kernel.arg_names
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name in FLOATS else "i64")
@@ -55,7 +56,7 @@ def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[in
     ptx_text = kernel.asm["ptx"]
     piped = "cp.async pipeline" if "cp.async" in ptx_text else "no cp.async"
     mma = "wgmma" if "wgmma" in ptx_text else "mma.sync" if "mma.sync" in ptx_text else "no tensor-core op"
-    return f"BM {BM} BN {BN} stages {stages}: {found}, {kernel.metadata.shared} bytes shared, {piped}, {mma}"
+    return f"BM {BM} x {SUB} BN {BN} stages {stages}: {found}, {kernel.metadata.shared} bytes shared, {piped}, {mma}"
 
 
 if __name__ == "__main__":
@@ -63,5 +64,5 @@ if __name__ == "__main__":
         for mode, label in ((0, "causal"), (2, "tree")):
             for splits in (1, 8):
                 print(f"{name:15s} {label:6s} splits {splits}: {report(T, rep, hd, mode, splits)}")
-    for key_tile in ((16, 3), (32, 3), (64, 3)):  # other tiles bench attention --key-tiles times
+    for key_tile in ((32, 3), (64, 3), (64, 64, 2)):  # other tiles bench attention --key-tiles times
         print(f"9B verify W16   causal splits 8: {report(16, 4, 256, 0, 8, key_tile)}")

@@ -96,10 +96,12 @@ def test_splits_do_not_change_the_result():
     assert torch.equal(outs[-1], paged_attention(**args, scale=0.125, split_keys=1 << 20))  # no split: one piece
 
 
-@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (16, 32, 2)], ids=lambda t: ":".join(map(str, t)))
+@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (64, 32, 2), (16, 32, 2, 16), (16, 32, 2, 32)],
+                         ids=lambda t: ":".join(map(str, t)))
 def test_other_key_tiles_match_the_reference(key_tile):
     """The key tiles `bench attention --key-tiles` times compute the same attention (causal and tree rows,
-    pages of 5 rows crossed inside a tile, a split)."""
+    pages of 5 rows crossed inside a tile, a split; 24 query rows per lane as one 64-row tile, as two
+    sub-tiles of one program, or as two programs)."""
     for mode in ("causal", "tree"):
         args = lanes(6, 8, 2, 64, 5, torch.float32, [70, 3, 41], seed=11, mode=mode)
         want = paged_attention_ref(**args, scale=0.125, mode=mode)
@@ -109,9 +111,10 @@ def test_other_key_tiles_match_the_reference(key_tile):
 
 @pytest.mark.parametrize("shape", [
     (6, 4, 2, 64, torch.float32),
+    (16, 8, 2, 64, torch.float32),  # blocks of 4 .. 64 rows: programs of 1, 2 and 4 sub-tiles
     pytest.param((16, 16, 4, 256, HALF), marks=pytest.mark.skipif(
         INTERPRETED, reason="the 9B head shape on tensor cores: 64 rows of a verify block, 4 of a decode row")),
-], ids=["fp32-hd64", "half-9b-heads"])
+], ids=["fp32-hd64", "fp32-hd64-sub-tiles", "half-9b-heads"])
 @pytest.mark.parametrize("split_keys", [None, 64])
 def test_a_rows_bits_do_not_depend_on_the_batch(split_keys, shape):
     """Row t of a lane's verify block, the same row in a shorter block, and the same position decoded

@@ -53,7 +53,7 @@ def run(args) -> dict:
                        "kernel_ms": kernel_ms, "roofline_ms": roofline_ms, "kernel/roofline": kernel_ms / roofline_ms}
                 for keys in args.split_keys:  # other split sizes, for choosing split_keys_for's rule
                     row[f"ms@{keys}"] = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5, split_keys=keys))
-                for tile in args.key_tiles:  # other tiles ([rows:]keys:stages), at the default split and each of --split-keys
+                for tile in args.key_tiles:  # other tiles ([rows:]keys:stages[:program rows]), at the default split and each of --split-keys
                     shape = tuple(map(int, tile.split(":")))
                     for keys in (None, *args.split_keys):
                         row[f"ms@{tile}" + (f"/{keys}" if keys else "")] = graph_ms(lambda: paged_attention(
@@ -80,9 +80,10 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--split-keys", type=int, nargs="*", default=[],
                    help="also time these keys per split (multiples of 64) beside the default rule's")
-    p.add_argument("--key-tiles", nargs="*", default=[], metavar="[ROWS:]KEYS:STAGES",
+    p.add_argument("--key-tiles", nargs="*", default=[], metavar="[ROWS:]KEYS:STAGES[:PROGRAM_ROWS]",
                    help="also time the kernel with these key tiles and pipeline stages, optionally query rows per "
-                        "program first (e.g. 32:3 64:2 16:64:2)")
+                        "sub-tile first and most query rows per program last (e.g. 32:3 64:2 16:64:2 64:64:2:64 "
+                        "16:64:2:32)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="block tables as wide as this capacity, as an engine's (default: the lanes' pages)")
     p.add_argument("--json", default=None)

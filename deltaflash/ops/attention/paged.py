@@ -35,35 +35,116 @@ MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256
 
 
+@triton.jit
+def _rows(first, i_g, stride_t, stride_h, T, REP: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    """Rows first .. first + BM - 1 of a program's (lane, kv head): (row m, block row t, valid, the offset
+    of each (row, dim) in a [T, nh, hd] tensor of strides (stride_t, stride_h, 1))."""
+    o_m = first + tl.arange(0, BM)
+    o_t = o_m // REP
+    p = o_t[:, None].to(tl.int64) * stride_t + (i_g * REP + o_m % REP)[:, None] * stride_h + tl.arange(0, BD)[None, :]
+    return o_m, o_t, o_t < T, p
+
+
+@triton.jit
+def _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
+               BM: tl.constexpr):
+    """(block row t, valid, the query rows [BM, BD]) of a sub-tile starting at row `first`."""
+    _, o_t, m_m, p_q = _rows(first, i_g, stride_q_t, stride_q_h, T, REP, BD, BM)
+    return o_t, m_m, tl.load(q_lane + p_q, mask=m_m[:, None] & (tl.arange(0, BD) < HD)[None, :], other=0.0)
+
+
+@triton.jit
+def _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, window, b_max, b_sum, b_acc,
+                    MODE: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+    """One sub-tile of query rows (block rows o_t) over one key tile (keys o_n, valid m_n): the online
+    softmax's update of (running max, sum, accumulator). A key the rows cannot see leaves them as they
+    were, to the bit (the max stays, p is 0, the rescale is exp(0) = 1)."""
+    if IEEE:
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+    else:
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+    o_b = o_n - ctx  # index inside the block; < 0: a committed key, visible to every row
+    if MODE == 0:
+        m_vis = (o_b[None, :] < 0) | (o_b[None, :] <= o_t[:, None])
+    elif MODE == 1:
+        m_vis = (o_t[:, None] >= 0) & m_n[None, :]
+    else:
+        m_tree = m_m[:, None] & (o_b >= 0)[None, :] & m_n[None, :]
+        b_tree = tl.load(t_mask + o_t[:, None] * T + o_b[None, :], mask=m_tree, other=0)
+        m_vis = (o_b[None, :] < 0) | (b_tree != 0)
+    m_vis = m_vis & m_n[None, :]
+    if WINDOWED:
+        distance = (ctx + o_t)[:, None] - o_n[None, :]
+        m_vis = m_vis & (distance < window) & (-distance < window)
+    b_s = tl.where(m_vis, b_s, float("-inf"))
+    b_new = tl.maximum(b_max, tl.max(b_s, 1))
+    b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # a row that has seen nothing yet
+    b_p = tl.exp(b_s - b_safe[:, None])
+    b_alpha = tl.exp(b_max - b_safe)
+    b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
+    if IEEE:
+        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+    else:
+        b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
+    return b_new, b_sum, b_acc * b_alpha[:, None] + b_pv
+
+
+@triton.jit
+def _store_rows(out, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max, b_sum, b_acc,
+                visited, T, REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """A sub-tile's result: its rows' output (one piece), or their partial output and log-sum-exp."""
+    o_m, o_t, m_m, p_o = _rows(first, i_g, stride_o_t, stride_o_h, T, REP, BD, BM)
+    o_d = tl.arange(0, BD)
+    b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a row that sees no key gives zeros
+    if not SPLIT:
+        tl.store(out + p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None] & (o_d < HD)[None, :])
+    else:
+        # partial results of the R = T * REP valid rows only (a decode row of the 9B shape: 4 of the 16)
+        i_part = part_base + o_m
+        if visited:
+            tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o, mask=m_m[:, None])
+        tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")), mask=m_m)
+
+
 @triton.jit(do_not_specialize=["T", "R", "SPLITS"])  # one binary for every block height and split count
 def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
     stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     stride_bt, stride_o_l, stride_o_t, stride_o_h,
     T, NKV, page_size, scale, window, R, split_keys, SPLITS,
-    REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr,
     MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # row tiles innermost: the tiles of one (lane, kv head, split) run side by side and share its K/V in L2
+    """A program: SUB sub-tiles of BM query rows (1, 2 or 4) of one (lane, kv head) over one split's keys.
+    Each key tile is loaded once and multiplied by every sub-tile; each sub-tile keeps its own softmax
+    state, so a row's arithmetic is that of its BM-row sub-tile alone, whatever SUB is."""
+    # row tiles innermost: the programs of one (lane, kv head, split) run side by side and share its K/V in L2
     i_m, i_lg, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = (i_lg // NKV).to(tl.int64)
     i_g = i_lg % NKV
     slot = tl.load(slot_ids + i_l)
     ctx = tl.load(context_lens + i_l)
     kv_end = tl.where(slot >= 0, ctx + tl.load(n_rows + i_l), 0)
-
-    o_m = i_m * BM + tl.arange(0, BM)
-    o_t = o_m // REP
-    m_m = o_t < T
     o_d = tl.arange(0, BD)
     m_d = o_d < HD
-    p_q = (q + i_l * stride_q_l + o_t[:, None].to(tl.int64) * stride_q_t
-           + (i_g * REP + o_m % REP)[:, None] * stride_q_h + o_d[None, :])
-    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+    t_mask = tree_mask + i_l * T * T
+    q_lane = q + i_l * stride_q_l
+    first = i_m * (BM * SUB)
 
-    # the keys any row of this tile can see: [lo, hi)
-    t_lo = (i_m * BM) // REP
-    t_hi = tl.minimum((i_m * BM + BM - 1) // REP, T - 1)
+    o_t0, m_m0, b_q0 = _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
+    o_t1, m_m1, b_q1 = o_t0, m_m0, b_q0  # (unused unless SUB says)
+    o_t2, m_m2, b_q2 = o_t0, m_m0, b_q0
+    o_t3, m_m3, b_q3 = o_t0, m_m0, b_q0
+    if SUB > 1:
+        o_t1, m_m1, b_q1 = _rows_of_q(q_lane, first + BM, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
+    if SUB > 2:
+        o_t2, m_m2, b_q2 = _rows_of_q(q_lane, first + 2 * BM, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
+        o_t3, m_m3, b_q3 = _rows_of_q(q_lane, first + 3 * BM, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
+
+    # the keys any row of this program can see: [lo, hi)
+    t_lo = first // REP
+    t_hi = tl.minimum((first + BM * SUB - 1) // REP, T - 1)
     hi = kv_end
     if MODE != 1:  # causal / tree rows see no block row past their own
         hi = tl.minimum(hi, ctx + t_hi + 1)
@@ -76,9 +157,12 @@ def paged_attention_kernel(
     s_hi = tl.minimum(hi, (i_s + 1) * split_keys)
     t_start = (s_lo // BN) * BN
 
-    b_max = tl.full([BM], float("-inf"), tl.float32)
-    b_sum = tl.zeros([BM], dtype=tl.float32)
-    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    b_max0 = tl.full([BM], float("-inf"), tl.float32)
+    b_sum0 = tl.zeros([BM], dtype=tl.float32)
+    b_acc0 = tl.zeros([BM, BD], dtype=tl.float32)
+    b_max1, b_sum1, b_acc1 = b_max0, b_sum0, b_acc0
+    b_max2, b_sum2, b_acc2 = b_max0, b_sum0, b_acc0
+    b_max3, b_sum3, b_acc3 = b_max0, b_sum0, b_acc0
     p_table = block_tables + tl.maximum(slot, 0).to(tl.int64) * stride_bt
     for start in range(t_start, s_hi, BN):
         o_n = start + tl.arange(0, BN)
@@ -90,47 +174,30 @@ def paged_attention_kernel(
                       + o_d[None, :], mask=m_kv, other=0.0)
         b_v = tl.load(v_pages + page[:, None] * stride_v_p + row[:, None] * stride_v_s + i_g * stride_v_h
                       + o_d[None, :], mask=m_kv, other=0.0)
-        if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
-        o_b = o_n - ctx  # index inside the block; < 0: a committed key, visible to every row
-        if MODE == 0:
-            m_vis = (o_b[None, :] < 0) | (o_b[None, :] <= o_t[:, None])
-        elif MODE == 1:
-            m_vis = (o_t[:, None] >= 0) & m_n[None, :]
-        else:
-            m_tree = m_m[:, None] & (o_b >= 0)[None, :] & m_n[None, :]
-            b_tree = tl.load(tree_mask + i_l * T * T + o_t[:, None] * T + o_b[None, :], mask=m_tree, other=0)
-            m_vis = (o_b[None, :] < 0) | (b_tree != 0)
-        m_vis = m_vis & m_n[None, :]
-        if WINDOWED:
-            distance = (ctx + o_t)[:, None] - o_n[None, :]
-            m_vis = m_vis & (distance < window) & (-distance < window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        b_new = tl.maximum(b_max, tl.max(b_s, 1))
-        b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # a row that has seen nothing yet
-        b_p = tl.exp(b_s - b_safe[:, None])
-        b_alpha = tl.exp(b_max - b_safe)
-        b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
-        if IEEE:
-            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-        else:
-            b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_max = b_new
+        b_max0, b_sum0, b_acc0 = _rows_over_keys(b_q0, b_k, b_v, o_t0, m_m0, o_n, m_n, ctx, t_mask, T, scale, window,
+                                                 b_max0, b_sum0, b_acc0, MODE, WINDOWED, IEEE)
+        if SUB > 1:
+            b_max1, b_sum1, b_acc1 = _rows_over_keys(b_q1, b_k, b_v, o_t1, m_m1, o_n, m_n, ctx, t_mask, T, scale,
+                                                     window, b_max1, b_sum1, b_acc1, MODE, WINDOWED, IEEE)
+        if SUB > 2:
+            b_max2, b_sum2, b_acc2 = _rows_over_keys(b_q2, b_k, b_v, o_t2, m_m2, o_n, m_n, ctx, t_mask, T, scale,
+                                                     window, b_max2, b_sum2, b_acc2, MODE, WINDOWED, IEEE)
+            b_max3, b_sum3, b_acc3 = _rows_over_keys(b_q3, b_k, b_v, o_t3, m_m3, o_n, m_n, ctx, t_mask, T, scale,
+                                                     window, b_max3, b_sum3, b_acc3, MODE, WINDOWED, IEEE)
 
-    b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a row that sees no key gives zeros
-    if not SPLIT:
-        p_o = (out + i_l * stride_o_l + o_t[:, None].to(tl.int64) * stride_o_t
-               + (i_g * REP + o_m % REP)[:, None] * stride_o_h + o_d[None, :])
-        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-    else:
-        # partial results of the R = T * REP valid rows only (a decode row of the 9B shape: 4 of the 64)
-        i_part = (i_lg.to(tl.int64) * SPLITS + i_s) * R + o_m
-        if s_lo < s_hi:
-            tl.store(part_out + i_part[:, None] * BD + o_d[None, :], b_o, mask=m_m[:, None])
-        tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")), mask=m_m)
+    out_lane = out + i_l * stride_o_l
+    part_base = (i_lg.to(tl.int64) * SPLITS + i_s) * R
+    visited = s_lo < s_hi
+    _store_rows(out_lane, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max0, b_sum0, b_acc0,
+                visited, T, REP, HD, BD, BM, SPLIT)
+    if SUB > 1:
+        _store_rows(out_lane, part_out, part_lse, first + BM, i_g, stride_o_t, stride_o_h, part_base, b_max1, b_sum1,
+                    b_acc1, visited, T, REP, HD, BD, BM, SPLIT)
+    if SUB > 2:
+        _store_rows(out_lane, part_out, part_lse, first + 2 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max2,
+                    b_sum2, b_acc2, visited, T, REP, HD, BD, BM, SPLIT)
+        _store_rows(out_lane, part_out, part_lse, first + 3 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max3,
+                    b_sum3, b_acc3, visited, T, REP, HD, BD, BM, SPLIT)
 
 
 @triton.jit(do_not_specialize=["T", "R", "SPLITS"])
@@ -165,16 +232,25 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BM query rows, BN keys, pipeline stages) per program. BM is one height per head shape whatever the
-    block (module docstring: batch invariance): heads wider than 128 multiply 64-row tiles on wgmma, and
-    16-row tiles would run on mma.sync, whose bits differ (the GPU batch-invariance test failed with the
-    height chosen per block, H200). 16 rows everywhere would keep the bits and halve a decode row's time
-    (16 lanes x 32k keys, 9B layer at the serve default's capacity: 0.67 against 1.36 ms) but a 16-row
-    verify block would be four tiles that each read its keys (2.38 against 1.44 ms): verify rounds carry
-    speculation, so 64. Keys: tiles of 64 in a 2-stage cp.async pipeline (16 lanes x 128k keys 8.46 ms
-    with 16-key tiles, 4.74 ms with 64; `bench attention --key-tiles`); narrower heads: 64 rows, 32 keys,
-    3 stages (not re-measured)."""
-    return (64, 32, 3) if head_dim <= 128 else (64, 64, 2)
+    """(BM query rows per sub-tile, BN keys per tile, pipeline stages). BM is one height whatever the block
+    (module docstring: batch invariance). 16: a decode row (4 rows of the 9B shape) fills a quarter of a
+    sub-tile, not a sixteenth of a 64-row tile (16 lanes x 32k keys, 9B layer at the serve default's
+    capacity: 0.67 against 1.36 ms, H200), and a verify block's sub-tiles share each key tile in one
+    program (`sub_tiles`) instead of four programs each reading the keys (2.38 ms). 16-row products run
+    on mma.sync and 64-row ones on wgmma, whose bits differ, so no block may take the other height. Keys:
+    tiles of 64 in a 2-stage cp.async pipeline for heads wider than 128 (16 lanes x 128k keys 8.46 ms
+    with 16-key tiles, 4.74 ms with 64; `bench attention --key-tiles`); narrower heads 32 keys, 3 stages."""
+    return (16, 32, 3) if head_dim <= 128 else (16, 64, 2)
+
+
+ROWS_PER_PROGRAM = 64  # a program's sub-tiles hold at most this many query rows
+
+
+def sub_tiles(rows: int, BM: int, program_rows: int = ROWS_PER_PROGRAM) -> int:
+    """Sub-tiles of BM rows per program for a block of `rows` query rows (T x rep): 1, 2 or 4, as few as
+    hold them, at most `program_rows` rows. Only the launch's shape changes with it, never a row's bits."""
+    most = max(1, program_rows // BM)
+    return next(n for n in (1, 2, 4) if n * BM >= rows or n >= most)
 
 
 def split_keys_for(max_keys: int) -> int:
@@ -192,12 +268,15 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     nkv = key_pages.shape[2]
     rep = nh // nkv
     BM, BN, stages = tiles(hd)
-    if key_tile is not None:  # ([BM,] BN, pipeline stages): for bench attention's tile sweep
-        BM, BN, stages = key_tile if len(key_tile) == 3 else (BM, *key_tile)
+    program_rows = ROWS_PER_PROGRAM
+    if key_tile is not None:  # ([BM,] BN, pipeline stages[, rows per program]): for bench attention's tile sweep
+        BM, BN, stages, *most = key_tile if len(key_tile) >= 3 else (BM, *key_tile)
+        program_rows = most[0] if most else program_rows
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
-    m_tiles = triton.cdiv(T * rep, BM)
     R = T * rep
+    SUB = sub_tiles(R, BM, program_rows)
+    m_tiles = triton.cdiv(R, BM * SUB)
     if splits > 1:
         part_out = torch.empty(L * nkv * splits * R, BD, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(L * nkv * splits * R, dtype=torch.float32, device=q.device)
@@ -210,12 +289,14 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
         T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits,
-        REP=rep, HD=hd, BD=BD, BM=BM, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLIT=splits > 1,
+        REP=rep, HD=hd, BD=BD, BM=BM, SUB=SUB, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLIT=splits > 1,
         IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, num_stages=stages,
     )
     if splits > 1:
-        combine_kernel[(L * nkv, m_tiles)](part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2),
-                                           T, nkv, R, splits, REP=rep, HD=hd, BD=BD, BM=BM, num_warps=4)
+        # (a row's merge is its own: the combine's row tiles need not be the attention's)
+        combine_kernel[(L * nkv, triton.cdiv(R, 64))](part_out, part_lse, out, out.stride(0), out.stride(1),
+                                                      out.stride(2), T, nkv, R, splits, REP=rep, HD=hd, BD=BD, BM=64,
+                                                      num_warps=4)
     return out
 
 
@@ -228,8 +309,8 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     each lane reads up to its own length). split_keys: keys per flash-decoding split, a multiple of 64
     (None: `split_keys_for` the table's capacity; with `split` False the whole table, one piece: no
     partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks).
-    key_tile: (keys per tile, pipeline stages), or (query rows per program, keys per tile, stages), instead
-    of `tiles`' choice, for timing other tiles."""
+    key_tile: (keys per tile, pipeline stages), or (query rows per sub-tile, keys per tile, stages[, most
+    query rows per program]), instead of `tiles`' choice, for timing other tiles."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:

@@ -1,17 +1,18 @@
 """Paged attention in Triton: K/V read in place from the lanes' pages, up to each lane's real length.
 
 Reference and contract: naive.py; the math and the choices: README.md. One program per (lane, kv head,
-tile of BM query rows, split of the key range). The query heads that share a kv head are stacked as
-rows (row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv
+SUB sub-tiles of BM query rows, split of the key range). The query heads that share a kv head are stacked
+as rows (row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv
 head. A program walks its keys in tiles of BN, gathering each key's page from the lane's block table
-(pages need not be as large as a tile), with an online softmax in fp32. The key range is cut at fixed
+(pages need not be as large as a tile), with an online softmax in fp32 per sub-tile. The key range is cut at fixed
 multiples of `split_keys` (flash-decoding: one program per piece, `combine_kernel` merges them by
 log-sum-exp; a piece past a lane's length exits at once, so a CUDA graph captured for the table's
 capacity replays for any lengths).
 
 Batch invariance: a row's result is the same bits whatever rows, lanes and lengths share the launch.
-BM is fixed per head shape (`tiles`: 16- and 64-row tiles run on different tensor-core instructions whose
-bits differ), key tiles and splits start at fixed multiples of BN and `split_keys`, and
+BM is one height (`tiles`: 16- and 64-row tiles run on different tensor-core instructions whose bits
+differ) and each sub-tile keeps its own softmax state whatever SUB is, key tiles and splits start at
+fixed multiples of BN and `split_keys`, and
 a tile a row cannot see leaves its running max, sum and accumulator exactly as they were; the split
 size is a function of the table's capacity alone. So attention gives a verify row, a decode row and a
 tree node at the same position the same bits (the products around it must too for equal logits:

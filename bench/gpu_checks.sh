@@ -81,10 +81,8 @@ for step in "$@"; do
         e2edemo) run e2edemo 300 python3 -m deltaflash bench e2e --workload demo --prompts 16 --reference --out "$OUT/demo" \
                      --quiet ;;
         attention) run attention 200 python3 -m deltaflash bench attention --json "$OUT/attention.json" ;;
-        paged) for len in 1024 32768 262144; do  # a 256-token context costs the same whatever max_model_len is
-                   run paged 200 python3 -m deltaflash bench round --lanes 1 16 --routes fused --rounds 6 \
-                       --max-model-len $len --json "$OUT/round-$len.json"
-               done ;;
+        paged) run paged 400 python3 -m deltaflash bench round --lanes 1 16 --routes fused --rounds 8 \
+                   --max-model-len 1024 32768 262144 --json "$OUT/round-paged.json" ;;  # one model, three capacities
         longctx) for ctx in 4096 32768 131072; do  # real long contexts at 16 lanes
                      run longctx 300 python3 -m deltaflash bench round --lanes 16 --routes fused --rounds 4 \
                          --prompt-len $ctx --max-model-len $(( ctx + 256 )) --json "$OUT/long-$ctx.json"

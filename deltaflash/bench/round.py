@@ -47,9 +47,11 @@ def verify_inputs(engine) -> tuple:
 
 
 def round_ms(engine, rounds: int) -> float:
-    """Median wall time of engine.step() (one round over all lanes, host work included)."""
+    """Median wall time of engine.step() (one round over all lanes, host work included), after one
+    untimed round (first-call costs: allocator growth, lazy module state)."""
     times = []
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    engine.step()
     for _ in range(rounds):
         sync()
         t0 = time.perf_counter()
@@ -80,35 +82,43 @@ def _measure(tensor_parallel, args) -> dict | None:
     _, read_bytes = weight_bytes(model)
     bw = copy_bandwidth_gbs(device, 4 << 30 if device.type == "cuda" else 64 << 20)
     limit = read_bytes / (bw * 1e9) * 1e3
-    rows, graphs, pages = [], False, ""
-    for lanes in args.lanes:
-        row = {"lanes": lanes}
-        for name, kernels in [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]:
-            engine = decoding_engine(model, lanes, args.width, args.prompt_len, args.max_model_len, kernels,
-                                     args.tree_budget, tensor_parallel)
-            graphs = engine.config.cuda_graphs
-            pages = engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)
-            inputs = verify_inputs(engine)
-            if not args.tree_budget:  # (a tree round's verify needs a tree: timed inside the round)
-                row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
-            row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
-            engine = None  # free its pool before the next engine
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        row["weight_read_ms"] = limit
-        if "fused" in args.routes:
-            if not args.tree_budget:
-                row["verify/limit"] = row["fused_verify_ms"] / limit
-            row["round/limit"] = row["fused_round_ms"] / limit
-        if len(args.routes) == 2:
-            row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
-        rows.append(row)
+    rows, graphs, pages = [], False, {}
+    for max_len in args.max_model_len:  # one model, every capacity: the rounds side by side
+        for lanes in args.lanes:
+            row = {"max_model_len": max_len, "lanes": lanes}
+            for name, kernels in [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]:
+                engine = decoding_engine(model, lanes, args.width, args.prompt_len, max_len, kernels,
+                                         args.tree_budget, tensor_parallel)
+                graphs = engine.config.cuda_graphs
+                pages[max_len] = engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)
+                inputs = verify_inputs(engine)
+                if not args.tree_budget:  # (a tree round's verify needs a tree: timed inside the round)
+                    row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
+                row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
+                engine = None  # free its pool before the next engine
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            row["weight_read_ms"] = limit
+            if "fused" in args.routes:
+                if not args.tree_budget:
+                    row["verify/limit"] = row["fused_verify_ms"] / limit
+                row["round/limit"] = row["fused_round_ms"] / limit
+            if len(args.routes) == 2:
+                row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
+            rows.append(row)
+    route = args.routes[0]
+    if len(args.max_model_len) > 1:  # does a round's cost follow the capacity? each row against the first length's
+        first = {r["lanes"]: r[f"{route}_round_ms"] for r in rows if r["max_model_len"] == args.max_model_len[0]}
+        for r in rows:
+            r[f"round/at {args.max_model_len[0]}"] = r[f"{route}_round_ms"] / first[r["lanes"]]
     if rank:
         return None
     per = f" per rank (tensor parallel {size}: rank 0's share and bandwidth)" if size > 1 else ""
     print(f"weight bytes read per forward{per} {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
-          f"weight-read limit {limit:.2f} ms; W = {args.width}; context {args.prompt_len}; max_model_len "
-          f"{args.max_model_len}; CUDA graphs: {'on' if graphs else 'off'}; {pages}")
+          f"weight-read limit {limit:.2f} ms; W = {args.width}; context {args.prompt_len}; CUDA graphs: "
+          f"{'on' if graphs else 'off'}")
+    for max_len, described in pages.items():
+        print(f"max_model_len {max_len}: {described}")
     print_table(f"speculative round, Qwen3.5-{args.shape} shape{f', TP {size}' if size > 1 else ''}, random bf16 "
                 "weights, scripted drafts", rows)
     result = {"machine": machine(), "shape": args.shape, "tensor_parallel_size": size, "weight_read_limit_ms": limit,
@@ -127,7 +137,8 @@ def register(sub) -> None:
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--layers", type=int, default=None, help="layers (default: the shape's own)")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, nargs="+", default=[1024],
+                   help="capacities to time, each with the same lanes and context (several: the rounds side by side)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tree-budget", type=int, default=0, help="rounds verify draft trees of N nodes (0: chains of W)")
     p.add_argument("--routes", nargs="+", choices=["fused", "unfused"], default=["fused", "unfused"],

@@ -7,7 +7,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.ops.attention.naive import paged_attention_ref
-from deltaflash.ops.attention.paged import paged_attention, paged_attention_kernel
+from deltaflash.ops.attention.paged import paged_attention, paged_attention_kernel, tiles
 
 INTERPRETED = isinstance(paged_attention_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -93,7 +93,9 @@ def test_splits_do_not_change_the_result():
     outs.append(paged_attention(**args, scale=0.125, split=False))  # one piece (prefill chunks)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
-    assert torch.equal(outs[-1], paged_attention(**args, scale=0.125, split_keys=1 << 20))  # no split: one piece
+    # no split: one piece, on the unsplit calls' tiles (prefill chunks: 64 rows)
+    one_piece = paged_attention(**args, scale=0.125, split_keys=1 << 20, key_tile=tiles(64, split=False))
+    assert torch.equal(outs[-1], one_piece)
 
 
 @pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (64, 32, 2), (16, 32, 2, 16), (16, 32, 2, 32)],

@@ -232,16 +232,20 @@ def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, 
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
-def tiles(head_dim: int) -> tuple[int, int, int]:
+def tiles(head_dim: int, split: bool = True) -> tuple[int, int, int]:
     """(BM query rows per sub-tile, BN keys per tile, pipeline stages). BM is one height whatever the block
-    (module docstring: batch invariance). 16: a decode row (4 rows of the 9B shape) fills a quarter of a
-    sub-tile, not a sixteenth of a 64-row tile (16 lanes x 32k keys, 9B layer at the serve default's
-    capacity: 0.67 against 1.36 ms, H200), and a verify block's sub-tiles share each key tile in one
-    program (`sub_tiles`) instead of four programs each reading the keys (2.38 ms). 16-row products run
-    on mma.sync and 64-row ones on wgmma, whose bits differ, so no block may take the other height. Keys:
-    tiles of 64 in a 2-stage cp.async pipeline for heads wider than 128 (16 lanes x 128k keys 8.46 ms
-    with 16-key tiles, 4.74 ms with 64; `bench attention --key-tiles`); narrower heads 32 keys, 3 stages."""
-    return (16, 32, 3) if head_dim <= 128 else (16, 64, 2)
+    (module docstring: batch invariance). Split calls (verify blocks, decode rows, the drafter's block):
+    16. A decode row (4 rows of the 9B shape) then fills a quarter of a sub-tile, not a sixteenth of a
+    64-row tile (16 lanes x 32k keys, 9B layer at the serve default's capacity: 0.72 against 1.37 ms,
+    H200), and a verify block's sub-tiles share each key tile in one program (`sub_tiles`; 1.86 against
+    1.44 ms: slower than one 64-row tile). 16-row products run on mma.sync and 64-row ones on wgmma, whose
+    bits differ, so no verify block may take the other height. Unsplit calls (prefill chunks after
+    committed keys: their rows fill the GPU alone, and no other kind of row is compared with theirs, README)
+    keep 64-row tiles on wgmma, cheaper per row when rows are many. Keys: tiles of 64 in a 2-stage
+    cp.async pipeline for heads wider than 128 (16 lanes x 128k keys 8.46 ms with 16-key tiles, 4.74 ms
+    with 64; `bench attention --key-tiles`); narrower heads 32 keys, 3 stages."""
+    BN, stages = (32, 3) if head_dim <= 128 else (64, 2)
+    return (16 if split else 64), BN, stages
 
 
 ROWS_PER_PROGRAM = 64  # a program's sub-tiles hold at most this many query rows
@@ -264,11 +268,11 @@ def split_keys_for(max_keys: int) -> int:
 
 def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
                         mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor,
-                        key_tile: tuple[int, ...] | None = None) -> torch.Tensor:
+                        key_tile: tuple[int, ...] | None = None, split: bool = True) -> torch.Tensor:
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
-    BM, BN, stages = tiles(hd)
+    BM, BN, stages = tiles(hd, split)
     program_rows = ROWS_PER_PROGRAM
     if key_tile is not None:  # ([BM,] BN, pipeline stages[, rows per program]): for bench attention's tile sweep
         BM, BN, stages, *most = key_tile if len(key_tile) >= 3 else (BM, *key_tile)
@@ -309,7 +313,8 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     """naive.paged_attention_ref reading the pages in place (same arguments; `max_pages` is not needed:
     each lane reads up to its own length). split_keys: keys per flash-decoding split, a multiple of 64
     (None: `split_keys_for` the table's capacity; with `split` False the whole table, one piece: no
-    partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks).
+    partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks - on
+    64-row tiles: `tiles`).
     key_tile: (keys per tile, pipeline stages), or (query rows per sub-tile, keys per tile, stages[, most
     query rows per program]), instead of `tiles`' choice, for timing other tiles."""
     L, T, nh, hd = q.shape
@@ -341,4 +346,4 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     # the positions as context_lens) would give lane l another lane's entry
     lanes = [t.long().contiguous() for t in (slot_ids, context_lens, n_rows)]
     return paged_attention_fwd(q, key_pages, value_pages, block_tables.contiguous(), *lanes,
-                               scale, mode, mask, window, split_keys, out, key_tile)
+                               scale, mode, mask, window, split_keys, out, key_tile, split)

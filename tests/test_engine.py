@@ -202,6 +202,37 @@ def test_a_round_reads_the_device_once(pairs, name, tree_budget, monkeypatch):
         assert len(events) == 3 and counter.calls == ["tolist"]
 
 
+def test_a_width_one_round_commits_with_its_verify_and_refuses_a_stale_lane_first(pairs, monkeypatch):
+    """Plain decoding: a width-1 round commits inside its verify (ModelRunner.decode; the decode graph on
+    CUDA), so the step reads the device once and commits nothing after the read; a lane whose slot does
+    not hold the positions the round verifies from is refused before anything is written - state, conv
+    history, K/V rows and lengths."""
+    from deltaflash.errors import CommitRejectedError
+
+    engine = engine_for(pairs["dflash"][0])
+    runner, pool = engine.runner, engine.runner.pool
+    for p in prompts(engine.cfg.vocab_size, [5, 9], seed=2):
+        engine.add_request(p, GREEDY)
+    while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
+        engine.step()
+    late = []
+    monkeypatch.setattr(runner, "_commit", lambda *args, **kwargs: late.append(args))
+    counter = SyncCounter(monkeypatch)
+    events = engine.step()
+    monkeypatch.undo()
+    assert len(events) == 2 and counter.calls == ["tolist"] and late == []
+    seqs = list(engine.scheduler.running.values())
+    slots, stale = [s.slot for s in seqs], [s.position - 1 for s in seqs]  # one position behind the slots
+    device = pool.recurrent_state.device
+    before = [t.clone() for t in (pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache)]
+    lengths = [pool.lengths[s] for s in slots]
+    with pytest.raises(CommitRejectedError, match="committed positions"), torch.inference_mode():
+        runner.decode(torch.tensor([[s.pending] for s in seqs], device=device), torch.tensor(slots, device=device),
+                      torch.tensor(stale, device=device), slots, stale)
+    after = (pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and [pool.lengths[s] for s in slots] == lengths
+
+
 def test_overlap_work_runs_between_the_launch_and_the_read(pairs, monkeypatch):
     """`step(overlap=...)` runs the caller's host work once per step while the device computes: after
     the step's device work is launched (the round's results exist on the device) and before their one

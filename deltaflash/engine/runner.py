@@ -505,8 +505,8 @@ class ModelRunner:
         L = len(slots_host)
         plan = CommitPlan.chain(slot_ids, torch.ones_like(slot_ids), 1, slot_ids_host=slots_host,
                                 accepted_len_host=(1,) * L, start_host=starts_host)
+        check_lanes(self.pool, plan, 1)  # before the first write (the verify's K/V rows included)
         if self.decode_graphs is not None and L <= self.decode_graphs.buckets[-1]:
-            check_lanes(self.pool, plan, 1)  # before the replay's first write
             logits, taps, windows, log = self.decode_graphs.run(anchors, slot_ids, start)
             record_lengths(self.pool, plan)
             return VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1),

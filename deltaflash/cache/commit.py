@@ -30,54 +30,60 @@ def validate_plan(pool: SlotPool, plan: CommitPlan, out: VerifyOutput) -> None:
     for name, (got, want) in expect.items():
         if got != want:
             raise CommitRejectedError(f"{name} is {list(got)}, expected {list(want)} for {L} lanes of width {W}")
-    check_lanes(pool, plan, W)
+    _check_lanes(pool, plan, W)
 
 
-def check_lanes(pool: SlotPool, plan: CommitPlan, width: int) -> None:
+def _check_lanes(pool: SlotPool, plan: CommitPlan, width: int) -> None:
     """validate_plan's checks of the plan's lanes (its host mirrors) against the pool, for verify rows of
-    `width` per lane: what a caller whose verify outputs have the right shapes by construction (the
-    runner's decode graph, which commits inside the replay) runs before the first write."""
-    L, W = len(plan.slot_ids_host), width
+    `width` per lane."""
+    L = len(plan.slot_ids_host)
     if len(plan.accepted_len_host) != L or len(plan.start_host) != L:
         raise CommitRejectedError(f"plan: {L} slot ids, {len(plan.accepted_len_host)} accepted lengths, "
                                   f"{len(plan.start_host)} starts")
-    if not plan.chain_host and (plan.accepted_nodes_host is None or plan.parents_host is None):
-        raise CommitRejectedError("plan: a tree commit needs accepted_nodes_host and parents_host")
-    if plan.chain_host and _chains_commit(pool, plan, W):
+    if plan.chain_host:
+        check_chains(pool, plan.slot_ids_host, plan.accepted_len_host, plan.start_host, width)
         return
-    seen = set()  # some lane is wrong (or the plan has trees): find the first and say what
-    for lane, (slot, n, start) in enumerate(zip(plan.slot_ids_host, plan.accepted_len_host, plan.start_host)):
+    if plan.accepted_nodes_host is None or plan.parents_host is None:
+        raise CommitRejectedError("plan: a tree commit needs accepted_nodes_host and parents_host")
+    _walk_lanes(pool, plan.slot_ids_host, plan.accepted_len_host, plan.start_host, width,
+                plan.accepted_nodes_host, plan.parents_host)
+
+
+def check_chains(pool: SlotPool, slots, counts, starts, width: int) -> None:
+    """The lane checks of a chain commit from host values alone (lane i: slot, rows committed, first
+    position): what the runner's width-1 round runs before its verify, whose graph also commits. All
+    lanes at once in a few passes; only a failing plan is walked lane by lane, to name the bad lane."""
+    lanes = [(slot, n, start) for slot, n, start in zip(slots, counts, starts) if slot != -1]
+    if lanes:
+        s, c, p = zip(*lanes)
+        lengths = pool.lengths
+        if (0 <= min(s) and max(s) < pool.num_slots and len(set(s)) == len(s) and 0 <= min(c)
+                and max(c) <= width and all(lengths[slot] == start for slot, start in zip(s, p))
+                and max(start + n for start, n in zip(p, c)) <= pool.max_len):
+            return
+        _walk_lanes(pool, slots, counts, starts, width)
+
+
+def _walk_lanes(pool: SlotPool, slots, counts, starts, width: int, paths=None, parents=None) -> None:
+    """Raise CommitRejectedError at the first lane that cannot commit (paths / parents: tree lanes)."""
+    seen = set()
+    for lane, (slot, n, start) in enumerate(zip(slots, counts, starts)):
         if slot == -1:
             continue
         if not 0 <= slot < pool.num_slots:
             raise CommitRejectedError(f"lane {lane}: slot {slot} out of range 0..{pool.num_slots - 1}")
         if slot in seen:
-            raise CommitRejectedError(f"duplicate slot ids in commit: {list(plan.slot_ids_host)}")
+            raise CommitRejectedError(f"duplicate slot ids in commit: {list(slots)}")
         seen.add(slot)
-        if not 0 <= n <= W:
-            raise CommitRejectedError(f"lane {lane}: accepted_len {n} outside 0..{W}")
+        if not 0 <= n <= width:
+            raise CommitRejectedError(f"lane {lane}: accepted_len {n} outside 0..{width}")
         if start != pool.lengths[slot]:
             raise CommitRejectedError(f"lane {lane}: rows verified from position {start}, but slot {slot} "
                                       f"holds {pool.lengths[slot]} committed positions")
         if start + n > pool.max_len:
             raise CommitRejectedError(f"lane {lane}: commit past max_len {pool.max_len} ({start} + {n})")
-        if not plan.chain_host:
-            _check_path(lane, plan.accepted_nodes_host[lane][:n], plan.parents_host[lane], W)
-
-
-def _chains_commit(pool: SlotPool, plan: CommitPlan, width: int) -> bool:
-    """Every lane of a chain plan passes validate_plan's lane checks, checked over all lanes at once
-    (a round's lanes in a few passes, not one Python iteration of five tests per lane)."""
-    lanes = [(slot, n, start) for slot, n, start in zip(plan.slot_ids_host, plan.accepted_len_host, plan.start_host)
-             if slot != -1]
-    if not lanes:
-        return True
-    slots, counts, starts = zip(*lanes)
-    lengths = pool.lengths
-    return (0 <= min(slots) and max(slots) < pool.num_slots and len(set(slots)) == len(slots)
-            and 0 <= min(counts) and max(counts) <= width
-            and all(lengths[slot] == start for slot, start in zip(slots, starts))
-            and max(start + n for start, n in zip(starts, counts)) <= pool.max_len)
+        if paths is not None:
+            _check_path(lane, paths[lane][:n], parents[lane], width)
 
 
 def _check_path(lane: int, path, parents, width: int) -> None:
@@ -96,13 +102,14 @@ def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels
     validate_plan(pool, plan, out)
     kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
     _compact_tree_rows(pool, plan)
-    record_lengths(pool, plan)
+    record_lengths(pool, plan.slot_ids_host, plan.start_host, plan.accepted_len_host)
 
 
-def record_lengths(pool: SlotPool, plan: CommitPlan) -> None:
-    """The committed lengths after `plan` (host bookkeeping: the last step of a commit)."""
+def record_lengths(pool: SlotPool, slots, starts, counts) -> None:
+    """The committed lengths after a commit (host bookkeeping, its last step): slot i holds starts[i] +
+    counts[i] positions."""
     lengths = pool.lengths
-    for slot, start, n in zip(plan.slot_ids_host, plan.start_host, plan.accepted_len_host):
+    for slot, start, n in zip(slots, starts, counts):
         if slot >= 0:
             lengths[slot] = start + n
 

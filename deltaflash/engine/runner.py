@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltaflash.cache.commit import check_lanes, commit, record_lengths
+from deltaflash.cache.commit import check_chains, commit, record_lengths
 from deltaflash.cache.draft_context import DraftContextCache
 from deltaflash.cache.pages import pages_for
 from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
@@ -502,16 +502,16 @@ class ModelRunner:
         draft, so every lane commits its one row whatever the logits say: the plan is known before the
         round, validated now, and committed right behind the verify - inside the decode graph when one
         holds the lanes (no launch after the step's read) - then appended to the draft context."""
-        L = len(slots_host)
-        plan = CommitPlan.chain(slot_ids, torch.ones_like(slot_ids), 1, slot_ids_host=slots_host,
-                                accepted_len_host=(1,) * L, start_host=starts_host)
-        check_lanes(self.pool, plan, 1)  # before the first write (the verify's K/V rows included)
-        if self.decode_graphs is not None and L <= self.decode_graphs.buckets[-1]:
+        ones = (1,) * len(slots_host)
+        check_chains(self.pool, slots_host, ones, starts_host, 1)  # before the first write (K/V rows included)
+        if self.decode_graphs is not None and len(slots_host) <= self.decode_graphs.buckets[-1]:
             logits, taps, windows, log = self.decode_graphs.run(anchors, slot_ids, start)
-            record_lengths(self.pool, plan)
+            record_lengths(self.pool, slots_host, starts_host, ones)
             return VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1),
                                 replay_log=log.movedim(0, 1))
         out = self.verify(anchors, slot_ids, start, max(starts_host) + 1)
+        plan = CommitPlan.chain(slot_ids, torch.ones_like(slot_ids), 1, slot_ids_host=slots_host,
+                                accepted_len_host=ones, start_host=starts_host)
         commit(self.pool, plan, out, self.kernels)
         if self.source is not None and out.taps is not None:
             self.source.append(slot_ids[:, None], start[:, None], out.taps)
@@ -522,7 +522,7 @@ class ModelRunner:
         (it reads device data only; the host checked the lanes before the replay, and padding lanes,
         slot -1, commit nothing) and the row's draft context."""
         out = logits, taps, windows, log = self._verify_rows(input_ids, slot_ids, start)
-        ones = torch.ones_like(slot_ids)  # (the plan's host mirrors are the caller's: check_lanes)
+        ones = torch.ones_like(slot_ids)  # (the plan's host mirrors are the caller's: check_chains)
         plan = CommitPlan.chain(slot_ids, ones, 1, slot_ids_host=(), accepted_len_host=(), start_host=())
         self.kernels.commit_state(self.pool.recurrent_state, log.movedim(0, 1), self.pool.conv_history,
                                   windows.movedim(0, 1), plan)

@@ -2,7 +2,7 @@
 speculative and target-only in the same run.
 
 Closed loop: at concurrency C, C clients each keep one request in flight and send the next prompt
-when theirs finishes; a point serves max(prompts, C) requests (prompts reused in order). Reported per
+when theirs finishes; a point serves max(prompts, C, --requests) requests (prompts reused in order). Reported per
 point: aggregate tokens/s (all output tokens / wall), per-sequence tokens/s (a sequence's tokens /
 its submit-to-finish time, mean), mean accepted length, TTFT and inter-token latency percentiles
 (a step's k tokens count as k gaps of 1/k of it). A profile pass (one wave of C requests on an engine
@@ -219,7 +219,25 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     # latency it tells the engine's step from the time the loop around it (the clients' bookkeeping) takes
     decode_only = [s for s, r in steps if r.decode_lanes and not r.prefill_tokens]
     out |= {"steps": len(steps), "decode_step_p50_ms": 1e3 * percentile(decode_only, 50) if decode_only else None}
+    out["by_round_width"] = by_round_width(steps)
     return out
+
+
+def by_round_width(steps: list) -> dict:
+    """The decode-only steps grouped by their round's width (the most rows a lane verified: what the
+    speculation policy chose): per width, the steps, their median wall ms, and the mean lanes and tokens
+    emitted per lane of those rounds - where an adaptive policy's choices and their costs can be read."""
+    groups: dict[int, list] = {}
+    for s, r in steps:
+        if r.decode_lanes and not r.prefill_tokens:
+            groups.setdefault(max(r.widths, default=1), []).append((s, r))
+    table = {}
+    for width, rows in sorted(groups.items()):
+        emitted = [n for _, r in rows for n in r.accepted_lengths]
+        table[str(width)] = {"steps": len(rows), "step_p50_ms": 1e3 * percentile([s for s, _ in rows], 50),
+                             "lanes_mean": sum(r.decode_lanes for _, r in rows) / len(rows),
+                             "tokens_per_lane": sum(emitted) / len(emitted) if emitted else 1.0}
+    return table
 
 
 def phase_shares(steps: list) -> dict:
@@ -253,12 +271,14 @@ def build_engines(workload: Workload, profile: bool) -> tuple[dict, dict]:
     return ({m: built[m, False] for m in MODES}, {m: built[m, True] for m in MODES} if profile else {})
 
 
-def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, bar=None) -> dict:
-    """Every (concurrency, mode) point of one workload; spec outputs checked against target-only."""
+def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, bar=None, least_requests: int = 0) -> dict:
+    """Every (concurrency, mode) point of one workload; spec outputs checked against target-only. A point
+    serves max(prompts, C, least_requests) requests: past C, the clients' later requests run beside
+    others already decoding (a steady state) instead of one wave that starts and ends together."""
     points, outputs = [], {}
     engines, profilers = build_engines(workload, profile)
     for c in concurrencies:
-        requests = max(len(workload.prompts), c)
+        requests = max(len(workload.prompts), c, least_requests)
         for mode in MODES:
             if bar is not None:
                 bar.set_description(f"{workload.name} C={c} {mode}")
@@ -334,7 +354,7 @@ def run(args) -> int:
     max_c = max(args.concurrency)
     workload = (_demo_workload if args.workload == "demo" else _scripted_workload)(args, max_c)
     with tqdm(total=len(args.concurrency) * len(MODES), unit="point", disable=args.quiet) as bar:
-        result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar)
+        result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar, least_requests=args.requests)
     result["machine"] = machine()
     out = Path(args.out)
     report(result)
@@ -357,6 +377,8 @@ def register(sub) -> None:
     p.add_argument("--workload", choices=["demo", "scripted"], default="demo")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--prompts", type=int, default=32, help="distinct prompts (a point serves max(prompts, C) requests)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="serve at least N requests per point (prompts reused): several per client, a steady state")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="docs/bench", help="folder for e2e-<workload>.json and the PNGs")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

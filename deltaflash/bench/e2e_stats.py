@@ -81,6 +81,10 @@ def report(result: dict) -> None:
     for name, fig in result["figures"].items():
         print(f"  {name}: {fig['value']:.3f}  (dominant phase: {fig['dominant_phase']})")
     for p in result["points"]:
+        if p["mode"] == "spec" and p.get("by_round_width"):
+            print(f"  C={p['concurrency']} spec, decode steps by round width: " + ", ".join(
+                f"W {w}: {g['steps']} x {g['step_p50_ms']:.2f} ms, {g['lanes_mean']:.1f} lanes, "
+                f"{g['tokens_per_lane']:.2f} tokens/lane" for w, g in p["by_round_width"].items()))
         if p["mode"] == "spec":
             for d in p.get("first_differences", []):
                 gap = f"; log-prob gap {d['gap']:.4f}" if d.get("gap") is not None else ""

@@ -47,11 +47,12 @@ def _rows(first, i_g, stride_t, stride_h, T, REP: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-               BM: tl.constexpr):
-    """(block row t, valid, the query rows [BM, BD]) of a sub-tile starting at row `first`."""
+def _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP: tl.constexpr, HD: tl.constexpr,
+               BD: tl.constexpr, BM: tl.constexpr):
+    """(block row t, valid, the query rows [BM, BD]) of a sub-tile starting at row `first` (not read
+    unless `live`: a program with no keys to walk)."""
     _, o_t, m_m, p_q = _rows(first, i_g, stride_q_t, stride_q_h, T, REP, BD, BM)
-    return o_t, m_m, tl.load(q_lane + p_q, mask=m_m[:, None] & (tl.arange(0, BD) < HD)[None, :], other=0.0)
+    return o_t, m_m, tl.load(q_lane + p_q, mask=(m_m & live)[:, None] & (tl.arange(0, BD) < HD)[None, :], other=0.0)
 
 
 @triton.jit
@@ -133,16 +134,6 @@ def paged_attention_kernel(
     q_lane = q + i_l * stride_q_l
     first = i_m * (BM * SUB)
 
-    o_t0, m_m0, b_q0 = _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
-    o_t1, m_m1, b_q1 = o_t0, m_m0, b_q0  # (unused unless SUB says)
-    o_t2, m_m2, b_q2 = o_t0, m_m0, b_q0
-    o_t3, m_m3, b_q3 = o_t0, m_m0, b_q0
-    if SUB > 1:
-        o_t1, m_m1, b_q1 = _rows_of_q(q_lane, first + BM, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
-    if SUB > 2:
-        o_t2, m_m2, b_q2 = _rows_of_q(q_lane, first + 2 * BM, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
-        o_t3, m_m3, b_q3 = _rows_of_q(q_lane, first + 3 * BM, i_g, stride_q_t, stride_q_h, T, REP, HD, BD, BM)
-
     # the keys any row of this program can see: [lo, hi)
     t_lo = first // REP
     t_hi = tl.minimum((first + BM * SUB - 1) // REP, T - 1)
@@ -157,6 +148,17 @@ def paged_attention_kernel(
     s_lo = tl.maximum(lo, i_s * split_keys)
     s_hi = tl.minimum(hi, (i_s + 1) * split_keys)
     t_start = (s_lo // BN) * BN
+    live = s_lo < s_hi
+
+    o_t0, m_m0, b_q0 = _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+    o_t1, m_m1, b_q1 = o_t0, m_m0, b_q0  # (unused unless SUB says)
+    o_t2, m_m2, b_q2 = o_t0, m_m0, b_q0
+    o_t3, m_m3, b_q3 = o_t0, m_m0, b_q0
+    if SUB > 1:
+        o_t1, m_m1, b_q1 = _rows_of_q(q_lane, first + BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+    if SUB > 2:
+        o_t2, m_m2, b_q2 = _rows_of_q(q_lane, first + 2 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+        o_t3, m_m3, b_q3 = _rows_of_q(q_lane, first + 3 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
 
     b_max0 = tl.full([BM], float("-inf"), tl.float32)
     b_sum0 = tl.zeros([BM], dtype=tl.float32)
@@ -188,39 +190,44 @@ def paged_attention_kernel(
 
     out_lane = out + i_l * stride_o_l
     part_base = (i_lg.to(tl.int64) * SPLITS + i_s) * R
-    visited = s_lo < s_hi
     _store_rows(out_lane, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max0, b_sum0, b_acc0,
-                visited, T, REP, HD, BD, BM, SPLIT)
+                live, T, REP, HD, BD, BM, SPLIT)
     if SUB > 1:
         _store_rows(out_lane, part_out, part_lse, first + BM, i_g, stride_o_t, stride_o_h, part_base, b_max1, b_sum1,
-                    b_acc1, visited, T, REP, HD, BD, BM, SPLIT)
+                    b_acc1, live, T, REP, HD, BD, BM, SPLIT)
     if SUB > 2:
         _store_rows(out_lane, part_out, part_lse, first + 2 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max2,
-                    b_sum2, b_acc2, visited, T, REP, HD, BD, BM, SPLIT)
+                    b_sum2, b_acc2, live, T, REP, HD, BD, BM, SPLIT)
         _store_rows(out_lane, part_out, part_lse, first + 3 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max3,
-                    b_sum3, b_acc3, visited, T, REP, HD, BD, BM, SPLIT)
+                    b_sum3, b_acc3, live, T, REP, HD, BD, BM, SPLIT)
 
 
 @triton.jit(do_not_specialize=["T", "R", "SPLITS"])
-def combine_kernel(part_out, part_lse, out, stride_o_l, stride_o_t, stride_o_h, T, NKV, R, SPLITS,
-                   REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+def combine_kernel(part_out, part_lse, out, slot_ids, context_lens, n_rows, stride_o_l, stride_o_t, stride_o_h, T,
+                   NKV, R, split_keys, SPLITS, REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
+                   BM: tl.constexpr):
     """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of one (lane, kv head, row tile), in
-    split order. A split past the lane's keys has lse -inf: its weight is 0 and no output row is read."""
+    split order, up to the last split holding one of the lane's keys: the capacity's other splits have lse
+    -inf, weight 0 and no output rows, and adding their zeros changes no bit, so a long table costs a short
+    lane nothing here (a loop over all SPLITS, 128 at 32k or more, was ~0.1 ms per layer at one lane)."""
     i_lg, i_m = tl.program_id(0), tl.program_id(1)
     i_l = (i_lg // NKV).to(tl.int64)
     i_g = i_lg % NKV
+    slot = tl.load(slot_ids + i_l)
+    kv_end = tl.where(slot >= 0, tl.load(context_lens + i_l) + tl.load(n_rows + i_l), 0)
+    live = tl.minimum(tl.cdiv(kv_end, split_keys), SPLITS)
     o_m = i_m * BM + tl.arange(0, BM)
     o_t = o_m // REP
     o_d = tl.arange(0, BD)
     m_r = o_t < T
     base = i_lg.to(tl.int64) * SPLITS * R
     b_top = tl.full([BM], float("-inf"), tl.float32)
-    for s in range(SPLITS):
+    for s in range(live):
         b_top = tl.maximum(b_top, tl.load(part_lse + base + s * R + o_m, mask=m_r, other=float("-inf")))
     b_top = tl.where(b_top == float("-inf"), 0.0, b_top)
     b_num = tl.zeros([BM, BD], dtype=tl.float32)
     b_den = tl.zeros([BM], dtype=tl.float32)
-    for s in range(SPLITS):
+    for s in range(live):
         b_w = tl.exp(tl.load(part_lse + base + s * R + o_m, mask=m_r, other=float("-inf")) - b_top)
         b_part = tl.load(part_out + (base + s * R + o_m)[:, None] * BD + o_d[None, :],
                          mask=(m_r & (b_w > 0))[:, None], other=0.0)  # an empty split wrote no output rows
@@ -299,9 +306,9 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     )
     if splits > 1:
         # (a row's merge is its own: the combine's row tiles need not be the attention's)
-        combine_kernel[(L * nkv, triton.cdiv(R, 64))](part_out, part_lse, out, out.stride(0), out.stride(1),
-                                                      out.stride(2), T, nkv, R, splits, REP=rep, HD=hd, BD=BD, BM=64,
-                                                      num_warps=4)
+        combine_kernel[(L * nkv, triton.cdiv(R, 64))](part_out, part_lse, out, slot_ids, context_lens, n_rows,
+                                                      out.stride(0), out.stride(1), out.stride(2), T, nkv, R,
+                                                      split_keys, splits, REP=rep, HD=hd, BD=BD, BM=64, num_warps=4)
     return out
 
 

@@ -233,6 +233,54 @@ def test_a_width_one_round_commits_with_its_verify_and_refuses_a_stale_lane_firs
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and [pool.lengths[s] for s in slots] == lengths
 
 
+def test_a_chain_round_commits_before_its_read_and_refuses_a_stale_lane_first(pairs, monkeypatch):
+    """With the fused kernels, a speculative chain round launches its commit (state, conv history, draft
+    context) behind the acceptance, before the step's one read, and records the lengths after it: nothing
+    is launched after the read, and the tokens are target-only's. Lanes one position behind their slots
+    are refused before the draft and verify write anything."""
+    import deltaflash.engine.runner as runner_module
+    from deltaflash.errors import CommitRejectedError
+
+    target_dir, draft_dir = pairs["dflash"]
+    plist, params = prompts(96, [5, 9], seed=4), SamplingParams(max_new_tokens=14, ignore_eos=True)
+    expected = [c.token_ids for c in engine_for(target_dir).generate(plist, params)[0]]
+    engine = engine_for(target_dir, draft_dir, kernels="triton")  # (the reference commit needs the counts read)
+    runner, pool = engine.runner, engine.runner.pool
+    ids = [engine.add_request(p, params) for p in plist]
+    out = {i: [] for i in ids}
+    counter = SyncCounter(monkeypatch)
+    real_commit = runner_module.commit_unread_chains
+    monkeypatch.setattr(runner_module, "commit_unread_chains",
+                        lambda *a, **k: (counter.calls.append("commit"), real_commit(*a, **k))[1])
+    monkeypatch.setattr(runner, "_commit", lambda *a, **k: counter.calls.append("late commit"))
+    chain_rounds = 0
+    while engine.has_work():
+        counter.calls.clear()
+        report = []
+        for ev in engine.step(report.append):
+            out[ev.request_id] += ev.token_ids
+        if max(report[0].widths, default=1) > 1:
+            chain_rounds += 1
+            assert counter.calls == ["commit", "tolist"]
+    monkeypatch.undo()
+    assert chain_rounds >= 3 and [out[i] for i in ids] == expected  # committed before the read, yet the same tokens
+
+    for p in plist:
+        engine.add_request(p, params)
+    while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
+        engine.step()
+    plan = engine.scheduler.schedule()
+    assert plan.decode and plan.round_width > 1
+    for seq in plan.decode:
+        pool.lengths[seq.slot] += 1  # the lanes are one position behind their slots
+    before = [t.clone() for t in (pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache)]
+    lengths = list(pool.lengths)
+    with pytest.raises(CommitRejectedError, match="committed positions"):
+        runner.execute(plan)
+    after = (pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and list(pool.lengths) == lengths
+
+
 def test_overlap_work_runs_between_the_launch_and_the_read(pairs, monkeypatch):
     """`step(overlap=...)` runs the caller's host work once per step while the device computes: after
     the step's device work is launched (the round's results exist on the device) and before their one

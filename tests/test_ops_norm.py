@@ -4,8 +4,8 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from deltaflash.ops.norm.naive import gated_rms_norm_ref, zero_centered_rms_norm_ref
-from deltaflash.ops.norm.rms_norm import gated_rms_norm, rms_norm_kernel, zero_centered_rms_norm
+from deltaflash.ops.norm.naive import gated_rms_norm_ref, plain_rms_norm_ref, zero_centered_rms_norm_ref
+from deltaflash.ops.norm.rms_norm import gated_rms_norm, plain_rms_norm, rms_norm_kernel, zero_centered_rms_norm
 
 INTERPRETED = isinstance(rms_norm_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -41,6 +41,43 @@ def test_gated_norm_matches_ref(D, dtype):
     y = gated_rms_norm(x, z, w, 1e-6)
     assert y.shape == x.shape and y.dtype == dtype
     torch.testing.assert_close(y, gated_rms_norm_ref(x, z, w, 1e-6), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("D,dtype", CASES)
+def test_plain_norm_matches_ref_and_the_drafters_module(D, dtype):
+    """The drafter's plain norm (w * normed.to(dtype)) in one launch: the reference's value, on strided
+    per-head rows, and the drafter's RMSNorm module gives the same through its op as through torch."""
+    from deltaflash.models.dflash import RMSNorm
+
+    g = torch.Generator().manual_seed(D + 3)
+    x = (3 * torch.randn(2, 5, 3, 2 * D, generator=g)).to(dtype).to(DEVICE)[..., :D]  # strided rows
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    y = plain_rms_norm(x, w, 1e-6)
+    assert y.shape == x.shape and y.dtype == dtype
+    want = plain_rms_norm_ref(x, w, 1e-6)
+    torch.testing.assert_close(y, want, **tolerance(dtype))
+    module = RMSNorm(D, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        module.weight.copy_(w.float())
+    module = module.to(dtype)
+    assert torch.equal(module(x), want)  # torch's ops: the reference, to the bit
+    module.op = plain_rms_norm
+    assert torch.equal(module(x), y)
+
+
+def test_the_drafters_rope_is_the_kernels_to_the_bit():
+    """The drafter rotates whole heads; ops/rope's kernel with rd = hd gives its torch route's bits (in
+    half precision fp16 under the interpreter, whose numpy products do not round bf16 as torch does;
+    bf16 on CUDA)."""
+    from deltaflash.models.dflash import apply_rope as drafter_rope
+    from deltaflash.ops.rope.rotary import apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float16 if INTERPRETED else torch.bfloat16):
+        x = torch.randn(2, 5, 3, 64, generator=g).to(dtype).to(DEVICE)
+        angles = torch.randn(2, 5, 32, generator=g)
+        cos, sin = (torch.cat([t, t], -1).to(dtype).to(DEVICE) for t in (angles.cos(), angles.sin()))
+        assert torch.equal(apply_rope(x, cos, sin), drafter_rope(x, cos, sin))
 
 
 @pytest.mark.parametrize("D,dtype", CASES)

@@ -105,6 +105,19 @@ def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels
     record_lengths(pool, plan.slot_ids_host, plan.start_host, plan.accepted_len_host)
 
 
+def commit_unread_chains(pool: SlotPool, out: VerifyOutput, kernels: Kernels, slot_ids, rows, slots_host, starts_host,
+                         most_host, width: int) -> None:
+    """A chain round's commit launched before the host has read how many rows each lane accepted: lane l
+    commits its first rows[l] (device [L], 1..most_host[l], as acceptance bounds it) verify rows from
+    starts_host[l]. Validated first, as `commit` validates, with each lane's most rows standing for its
+    count (slots, committed lengths, room in the slot; the verify outputs' shapes); the caller records the
+    lengths (record_lengths) once the round's one read gives the counts. Chains move no K/V row."""
+    plan = CommitPlan.chain(slot_ids, rows, width, slot_ids_host=slots_host, accepted_len_host=most_host,
+                            start_host=starts_host)
+    validate_plan(pool, plan, out)
+    kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
+
+
 def record_lengths(pool: SlotPool, slots, starts, counts) -> None:
     """The committed lengths after a commit (host bookkeeping, its last step): slot i holds starts[i] +
     counts[i] positions."""

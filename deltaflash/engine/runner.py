@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltaflash.cache.commit import check_chains, commit, record_lengths
+from deltaflash.cache.commit import check_chains, commit, commit_unread_chains, record_lengths
 from deltaflash.cache.draft_context import DraftContextCache
 from deltaflash.cache.pages import pages_for
 from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
@@ -77,7 +77,8 @@ class _Round:
     out: VerifyOutput
     accepted: Accepted
     tree: DraftTree | None = None
-    committed: bool = False  # a width-1 round: its rows were committed with the verify (ModelRunner.decode)
+    committed: bool = False  # its rows were committed before the read (chains); the lengths are recorded after it
+    recorded: bool = False  # ... and its lengths too (a width-1 round: ModelRunner.decode)
 
 
 class IdleClock:
@@ -142,6 +143,9 @@ class ModelRunner:
         self.graphs = CudaGraphs(config.max_slots, self.device) if config.cuda_graphs else None
         factory = self.graphs.add if self.graphs is not None else None
         if drafter is not None:
+            # (the module's state: a drafter serves the kernel set of the last engine built on it)
+            fused = self.kernels.fused
+            drafter.use_kernels(self.kernels.plain_rms_norm if fused else None, self.kernels.rope if fused else None)
             draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory,
                                         self.kernels.paged_attention,
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None)
@@ -337,6 +341,9 @@ class ModelRunner:
         read = self._now()
         if round_ is not None and not round_.committed:
             self._commit(plan, round_, round_out.accepted, round_out.paths, parents[0] if parents else None)
+        elif round_ is not None and not round_.recorded:
+            record_lengths(self.pool, [s.slot for s in plan.decode], [s.position for s in plan.decode],
+                           [n + 1 for n in round_out.accepted])
         self.idle_clock.end()
         phases = RoundPhases()
         if round_ is not None:  # the host's own time: the overlap work is the caller's (it fell in the accept)
@@ -421,6 +428,8 @@ class ModelRunner:
         slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
         # drafts a lane may accept: its width less one (a grammar lane speculates only in chains)
         limits = [0 if plan.tree_budget and s.matcher is not None else w - 1 for s, w in zip(seqs, plan.widths)]
+        if W > 1:  # (a width-1 round checks in decode) a stale lane is refused before the verify writes its rows
+            check_chains(self.pool, slots, (1,) * len(slots), starts, 1)
         budgets = [min(s.params.tree_budget or W, W) for s in seqs]
         lanes = to_device([slots, starts, [s.pending for s in seqs], limits, budgets], self.device)
         slot_ids, start, anchors, n_draft, budget = lanes  # one transfer, five [L] rows
@@ -452,7 +461,17 @@ class ModelRunner:
             accepted = accept(None, drafts, None, n_draft, sampling, argmax=self.model.vocab.argmax(out.logits))
         else:
             accepted = accept(self._whole_rows(out.logits), drafts, draft_q, n_draft, sampling, rules, logprobs)
-        return _Round(slot_ids, start, out, accepted, committed=W == 1), marks
+        if W == 1:
+            return _Round(slot_ids, start, out, accepted, committed=True, recorded=True), marks
+        if not self.kernels.fused:  # the reference commit walks the lanes' counts on the host: after the read
+            return _Round(slot_ids, start, out, accepted), marks
+        # the fused commit reads the counts on the device, so it goes right behind the acceptance, before the
+        # read: the device commits while the host waits for the results, instead of idling through the
+        # commit's launches after them
+        rows = accepted.counts + 1
+        commit_unread_chains(self.pool, out, self.kernels, slot_ids, rows, slots, starts, [n + 1 for n in limits], W)
+        self._append_round_rows(slot_ids, start, out.taps, rows)
+        return _Round(slot_ids, start, out, accepted, committed=True), marks
 
     def _whole_rows(self, logits: Tensor) -> Tensor:
         """A verify forward's logits over the whole vocabulary (a vocabulary-parallel rank's share gathered)."""
@@ -487,13 +506,17 @@ class ModelRunner:
                                      accepted_nodes_host=paths,
                                      parents_host=tuple(tuple(parents[i * W:(i + 1) * W]) for i in range(L)), **host)
         commit(self.pool, commit_plan, round_.out, self.kernels)
-        if self.source is not None and round_.out.taps is not None:
-            taps = round_.out.taps
-            if path is not None:  # the accepted path's rows, in token order
-                taps = taps[torch.arange(L, device=self.device)[:, None], path]
+        taps = round_.out.taps
+        if taps is not None and path is not None:  # the accepted path's rows, in token order
+            taps = taps[torch.arange(L, device=self.device)[:, None], path]
+        self._append_round_rows(round_.slot_ids, round_.start, taps, n_rows)
+
+    def _append_round_rows(self, slot_ids: Tensor, start: Tensor, taps: Tensor | None, n_rows: Tensor) -> None:
+        """The first n_rows[l] (device) of each lane's tapped rows, in token order, become draft context."""
+        if self.source is not None and taps is not None:
             rows = torch.arange(taps.shape[1], device=self.device)
-            kept = torch.where(rows[None] < n_rows[:, None], round_.slot_ids[:, None], -1)
-            self.source.append(kept, round_.start[:, None] + rows, taps)
+            kept = torch.where(rows[None] < n_rows[:, None], slot_ids[:, None], -1)
+            self.source.append(kept, start[:, None] + rows, taps)
 
     # ---- the verify forward -------------------------------------------------------------------
     def decode(self, anchors: Tensor, slot_ids: Tensor, start: Tensor, slots_host: Sequence[int],

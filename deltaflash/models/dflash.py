@@ -43,12 +43,17 @@ from deltaflash.models.dflash_config import DraftConfig, read_draft_config
 
 
 class RMSNorm(nn.Module):
+    """`op` (x, weight, eps): the kernel set's plain_rms_norm (DFlashDrafter.use_kernels); None: torch's ops."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.op: Callable | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.op is not None:
+            return self.op(x, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -81,17 +86,18 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.rope: Callable = apply_rope  # (x, cos, sin): DFlashDrafter.use_kernels
 
     def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """x [..., H] -> k (normed, rotated), v: [..., nk, hd]."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
-        return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        return self.rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: DraftContext, layer: int,
                 window: int | None, causal: bool) -> Tensor:
         """x [L, B, H]; cos / sin [L, B, hd]; the block attends to its lanes' context and to itself."""
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)))
-        q = apply_rope(q, cos, sin)
+        q = self.rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
         out = context.attention(layer, q.contiguous(), k, v, window, causal)  # [L, B, n, hd]
         return self.o_proj(out.flatten(-2))
@@ -189,6 +195,16 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def use_kernels(self, norm: Callable | None, rope: Callable | None) -> None:
+        """Every RMSNorm of the drafter runs `norm` (x, weight, eps; the kernel set's plain_rms_norm: one
+        launch instead of about eight) and every RoPE `rope` (x, cos, sin; ops/rope's apply_rope with the
+        whole head rotated: one launch instead of six, the same bits). None: torch's ops."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.op = norm
+            elif isinstance(module, DraftAttention):
+                module.rope = rope or apply_rope
 
     def project_context(self, tap_features: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """tap_features [N, T*H], positions [N] -> context k, v [N, num_layers, nk, hd]."""

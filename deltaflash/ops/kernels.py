@@ -26,6 +26,7 @@ class Kernels:
     name: str
     zero_centered_rms_norm: Callable  # (x, weight, eps)
     gated_rms_norm: Callable          # (o, z, weight, eps)
+    plain_rms_norm: Callable          # (x, weight, eps): the drafter's norms, w * rmsnorm(x)
     add_rms_norm: Callable            # (x, y, weight, eps) -> (x + y, zero-centered norm of it): residual + next norm
     conv_extend_heads: Callable       # (rows, history, weight, n_rows, nk, nv, dk) -> (q, k, v, new history): prefill
     conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
@@ -86,13 +87,19 @@ def reference_kernels() -> Kernels:
     from deltaflash.ops.conv.naive import conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
-    from deltaflash.ops.norm.naive import add_rms_norm_ref, gated_rms_norm_ref, zero_centered_rms_norm_ref
+    from deltaflash.ops.norm.naive import (
+        add_rms_norm_ref,
+        gated_rms_norm_ref,
+        plain_rms_norm_ref,
+        zero_centered_rms_norm_ref,
+    )
     from deltaflash.ops.rope.naive import apply_rope_ref
 
     return Kernels(
         name="reference",
         zero_centered_rms_norm=zero_centered_rms_norm_ref,
         gated_rms_norm=gated_rms_norm_ref,
+        plain_rms_norm=plain_rms_norm_ref,
         add_rms_norm=add_rms_norm_ref,
         conv_extend_heads=conv_extend_heads_ref,
         conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
@@ -115,7 +122,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.gdn.commit import state_commit
     from deltaflash.ops.gdn.verify import gdn_verify
     from deltaflash.ops.moe.fused_moe import fused_moe_experts
-    from deltaflash.ops.norm.rms_norm import add_rms_norm, gated_rms_norm, zero_centered_rms_norm
+    from deltaflash.ops.norm.rms_norm import add_rms_norm, gated_rms_norm, plain_rms_norm, zero_centered_rms_norm
     from deltaflash.ops.rope.rotary import apply_rope
 
     def commit_state(state, log, history, windows, plan: CommitPlan):  # the plan was validated on the host
@@ -126,6 +133,7 @@ def triton_kernels() -> Kernels:
         name="triton",
         zero_centered_rms_norm=zero_centered_rms_norm,
         gated_rms_norm=gated_rms_norm,
+        plain_rms_norm=plain_rms_norm,
         add_rms_norm=add_rms_norm,
         conv_extend_heads=conv_extend_heads,
         conv_tree_step=conv_tree_step,

@@ -1,4 +1,4 @@
-"""Pure-torch references of the model's two RMS norms (fp32 statistics). rms_norm.py holds the
+"""Pure-torch references of the models' RMS norms (fp32 statistics). rms_norm.py holds the
 Triton kernels that CUDA uses instead; README.md gives the math."""
 
 from __future__ import annotations
@@ -12,6 +12,14 @@ def zero_centered_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.float())).type_as(x)
+
+
+def plain_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's plain RMSNorm (the DFlash drafter's): `w * rmsnorm(x)`, the normed x (fp32 statistics) cast
+    to x's dtype before the weight (x's dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float

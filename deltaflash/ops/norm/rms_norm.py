@@ -12,9 +12,11 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_t, stride_g_h, G_H, eps,
-                    D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Row i_r: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered), or with GATED,
-    y = (w * normed.to(dtype)) * silu(gate) with the roundings of naive.gated_rms_norm_ref. With
+                    D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                    PLAIN: tl.constexpr = False):
+    """Row i_r: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered); with PLAIN, y = w * normed.to(dtype)
+    (naive.plain_rms_norm_ref: the drafter's norms); with GATED, y = (w * normed.to(dtype)) * silu(gate)
+    with the roundings of naive.gated_rms_norm_ref. With
     RESIDUAL (zero-centered only), x is first replaced by x + gate rounded to the dtype, which is
     also written to `total` (the residual stream's add and the next norm in one pass). Gate row i_r
     lies at (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h: rows of G_H heads of a strided view
@@ -32,10 +34,11 @@ def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_t, stride_g_
     b_n = b_x * tl.math.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
     b_w = tl.load(weight + o_d, mask=m_d, other=0.0)
     dtype = y.dtype.element_ty
-    if GATED and not RESIDUAL:
-        b_g = tl.load(p_g, mask=m_d, other=0.0).to(tl.float32)
+    if (GATED or PLAIN) and not RESIDUAL:
         b_y = (b_w.to(tl.float32) * b_n.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
+        if GATED:
+            b_g = tl.load(p_g, mask=m_d, other=0.0).to(tl.float32)
+            b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
     else:
         b_y = b_n * (1.0 + b_w.to(tl.float32))
     tl.store(y + i_r * D + o_d, b_y.to(dtype), mask=m_d)
@@ -63,7 +66,7 @@ def _head_rows(t: torch.Tensor, D: int) -> tuple[torch.Tensor, int, int, int]:
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 residual: torch.Tensor | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the norm, and with `residual` x + residual, which is what is normed; else None)."""
     D = x.shape[-1]
     dtype = x.dtype if gate is None else gate.dtype
@@ -78,7 +81,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.
         BD = triton.next_power_of_2(D)
         rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, y if total is None else total, x2.stride(0), stride_g_t,
                                         stride_g_h, heads, eps, D=D, BD=BD, GATED=gate is not None,
-                                        RESIDUAL=residual is not None, num_warps=min(8, max(1, BD // 512)))
+                                        RESIDUAL=residual is not None, PLAIN=plain, num_warps=min(8, max(1, BD // 512)))
     return y.view(x.shape), None if total is None else total.view(x.shape)
 
 
@@ -87,6 +90,13 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
     return rms_norm_fwd(x, weight, eps)[0]
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """naive.plain_rms_norm_ref in one launch (about eight in torch). x [..., D], weight [D] in x's dtype."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
+    return rms_norm_fwd(x, weight, eps, plain=True)[0]
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float

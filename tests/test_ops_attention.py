@@ -119,7 +119,8 @@ def test_programs_that_share_pieces_give_the_same_bits(mode, monkeypatch):
     torch.testing.assert_close(apart, paged_attention_ref(**args, scale=0.125, mode=mode), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (64, 32, 2), (16, 32, 2, 16), (16, 32, 2, 32)],
+@pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (64, 32, 2), (16, 32, 2, 16), (16, 32, 2, 32),
+                                      (16, 32, 2, 32, "dotsum"), (64, 32, 2, 64, "v2")],
                          ids=lambda t: ":".join(map(str, t)))
 def test_other_key_tiles_match_the_reference(key_tile):
     """The key tiles `bench attention --key-tiles` times compute the same attention (causal and tree rows,

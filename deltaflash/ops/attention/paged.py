@@ -26,6 +26,9 @@ not to specialise, so after start-up's warm-up no prompt length compiles anythin
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -58,7 +61,7 @@ def _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP: tl.cons
 
 @triton.jit
 def _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, window, b_max, b_sum, b_acc,
-                    MODE: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+                    MODE: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr, SUM_BY_DOT: tl.constexpr = False):
     """One sub-tile of query rows (block rows o_t) over one key tile (keys o_n, valid m_n): the online
     softmax's update of (running max, sum, accumulator). A key the rows cannot see leaves them as they
     were, to the bit (the max stays, p is 0, the rescale is exp(0) = 1)."""
@@ -84,7 +87,15 @@ def _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, wi
     b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # a row that has seen nothing yet
     b_p = tl.exp(b_s - b_safe[:, None])
     b_alpha = tl.exp(b_max - b_safe)
-    b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
+    if SUM_BY_DOT:  # the row sums as products with a column of ones: the tensor cores' order, not the layout's
+        ones = tl.full([b_k.shape[0], 16], 1.0, b_v.dtype)
+        if IEEE:
+            b_sums = tl.dot(b_p.to(b_v.dtype), ones, input_precision="ieee")
+        else:
+            b_sums = tl.dot(b_p.to(b_v.dtype), ones)
+        b_sum = b_sum * b_alpha + tl.max(b_sums, 1)  # (its 16 columns are the same bits)
+    else:
+        b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
     if IEEE:
         b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
     else:
@@ -118,6 +129,7 @@ def paged_attention_kernel(
     T, NKV, page_size, scale, window, R, split_keys, SPLITS, PIECE_PROGRAMS,
     REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr,
     MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SUM_BY_DOT: tl.constexpr = False,
 ):
     """A program: SUB sub-tiles of BM query rows (1, 2 or 4) of one (lane, kv head) over the keys of every
     PIECE_PROGRAMS-th split from its own.
@@ -183,15 +195,15 @@ def paged_attention_kernel(
             b_v = tl.load(v_pages + page[:, None] * stride_v_p + row[:, None] * stride_v_s + i_g * stride_v_h
                           + o_d[None, :], mask=m_kv, other=0.0)
             b_max0, b_sum0, b_acc0 = _rows_over_keys(b_q0, b_k, b_v, o_t0, m_m0, o_n, m_n, ctx, t_mask, T, scale, window,
-                                                     b_max0, b_sum0, b_acc0, MODE, WINDOWED, IEEE)
+                                                     b_max0, b_sum0, b_acc0, MODE, WINDOWED, IEEE, SUM_BY_DOT)
             if SUB > 1:
                 b_max1, b_sum1, b_acc1 = _rows_over_keys(b_q1, b_k, b_v, o_t1, m_m1, o_n, m_n, ctx, t_mask, T, scale,
-                                                         window, b_max1, b_sum1, b_acc1, MODE, WINDOWED, IEEE)
+                                                         window, b_max1, b_sum1, b_acc1, MODE, WINDOWED, IEEE, SUM_BY_DOT)
             if SUB > 2:
                 b_max2, b_sum2, b_acc2 = _rows_over_keys(b_q2, b_k, b_v, o_t2, m_m2, o_n, m_n, ctx, t_mask, T, scale,
-                                                         window, b_max2, b_sum2, b_acc2, MODE, WINDOWED, IEEE)
+                                                         window, b_max2, b_sum2, b_acc2, MODE, WINDOWED, IEEE, SUM_BY_DOT)
                 b_max3, b_sum3, b_acc3 = _rows_over_keys(b_q3, b_k, b_v, o_t3, m_m3, o_n, m_n, ctx, t_mask, T, scale,
-                                                         window, b_max3, b_sum3, b_acc3, MODE, WINDOWED, IEEE)
+                                                         window, b_max3, b_sum3, b_acc3, MODE, WINDOWED, IEEE, SUM_BY_DOT)
 
         out_lane = out + i_l * stride_o_l
         part_base = (i_lg.to(tl.int64) * SPLITS + i_s) * R
@@ -291,6 +303,25 @@ def split_keys_for(max_keys: int) -> int:
     return max(MIN_SPLIT_KEYS, floor_pow2 // MAX_SPLITS)
 
 
+@contextlib.contextmanager
+def _mma_sync(on: bool):
+    """Compiles inside use mma.sync for every tile height (Triton's DISABLE_MMA_V3, a cache-keyed
+    environment variable read at compile time): an experiment of bench attention's "v2" key tiles - a
+    64-row tile on mma.sync has the 16-row sub-tiles' per-element products."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DISABLE_MMA_V3"]
+        else:
+            os.environ["DISABLE_MMA_V3"] = old
+
+
 def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, scale: float,
                         mode: str, tree_mask, window: int | None, split_keys: int, out: torch.Tensor,
                         key_tile: tuple[int, ...] | None = None, split: bool = True) -> torch.Tensor:
@@ -298,9 +329,11 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     nkv = key_pages.shape[2]
     rep = nh // nkv
     BM, BN, stages = tiles(hd, split)
-    program_rows = ROWS_PER_PROGRAM
-    if key_tile is not None:  # ([BM,] BN, pipeline stages[, rows per program]): for bench attention's tile sweep
-        BM, BN, stages, *most = key_tile if len(key_tile) >= 3 else (BM, *key_tile)
+    program_rows, flags = ROWS_PER_PROGRAM, ()
+    if key_tile is not None:  # ([BM,] BN, pipeline stages[, rows per program][, flags]): bench attention's tile sweep
+        flags = tuple(t for t in key_tile if isinstance(t, str))
+        sizes = tuple(t for t in key_tile if not isinstance(t, str))
+        BM, BN, stages, *most = sizes if len(sizes) >= 3 else (BM, *sizes)
         program_rows = most[0] if most else program_rows
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
@@ -314,15 +347,17 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         part_out = part_lse = out  # unused
     programs = piece_programs(splits, m_tiles * L * nkv, q.device)
     grid = (m_tiles, L * nkv, programs)
-    paged_attention_kernel[grid](
-        q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows,
-        q if tree_mask is None else tree_mask, out, part_out, part_lse,
-        q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits, programs,
-        REP=rep, HD=hd, BD=BD, BM=BM, SUB=SUB, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None, SPLIT=splits > 1,
-        IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, num_stages=stages,
-    )
+    with _mma_sync("v2" in flags):
+        paged_attention_kernel[grid](
+            q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows,
+            q if tree_mask is None else tree_mask, out, part_out, part_lse,
+            q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
+            block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
+            T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits, programs,
+            REP=rep, HD=hd, BD=BD, BM=BM, SUB=SUB, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None,
+            SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, num_stages=stages,
+            SUM_BY_DOT=bool({"dotsum", "v2"} & set(flags)),
+        )
     if splits > 1:
         # (a row's merge is its own: the combine's row tiles need not be the attention's)
         combine_kernel[(L * nkv, triton.cdiv(R, 64))](part_out, part_lse, out, slot_ids, context_lens, n_rows,
@@ -342,7 +377,9 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks - on
     64-row tiles: `tiles`).
     key_tile: (keys per tile, pipeline stages), or (query rows per sub-tile, keys per tile, stages[, most
-    query rows per program]), instead of `tiles`' choice, for timing other tiles."""
+    query rows per program]), instead of `tiles`' choice, for timing other tiles; a trailing "dotsum" sums
+    each row's softmax weights by a product with ones (tensor-core order) and "v2" does too on mma.sync at
+    any height (experiments: a 64-row mma.sync tile whose rows match 16-row sub-tiles to the bit)."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:

@@ -1,13 +1,15 @@
 """Profile the verify forward of the 9B shape (random bf16 weights) kernel by kernel with torch.profiler.
 
-Usage: python bench/profile_round.py [LANES ...] [--width W] [--layers N]   (CUDA)
+Usage: python bench/profile_round.py [LANES ...] [--width W] [--layers N] [--max-model-len N ...]   (CUDA)
 
 For each lane count: the forward is run eagerly (so every kernel is visible) and from its CUDA graph;
 prints the graph replay time, the eager kernel count and summed kernel time, and the kernels grouped
-by what they do, largest first. Plain decode is the same forward at width 1.
+by what they do, largest first. Plain decode is the same forward at width 1. Several --max-model-len
+(a 256-token context each) show what of the forward grows with the configured capacity.
 """
 
 import argparse
+import gc
 import re
 from collections import defaultdict
 
@@ -62,10 +64,11 @@ def main():
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--max-model-len", type=int, nargs="+", default=[1024])
     args = p.parse_args()
     model = random_model(qwen35_9b_config(args.layers), torch.bfloat16, args.device)
-    for lanes in args.lanes:
-        engine = decoding_engine(model, lanes, args.width, 256, 1024)
+    for lanes, capacity in ((n, c) for n in args.lanes for c in args.max_model_len):
+        engine = decoding_engine(model, lanes, args.width, 256, capacity)
         runner = engine.runner
         inputs = verify_inputs(engine)
         eager = lambda: runner._verify_rows(*inputs[:3])  # noqa: E731  (the graphs' forward, run eagerly)
@@ -73,12 +76,14 @@ def main():
         graph_ms = time_ms(lambda: runner.verify(*inputs), 2, 10) if runner.graphs else float("nan")
         profile_forward(eager)  # profiler warm-up
         count, kernel_ms, groups, top = profile_forward(eager)
-        print(f"\n=== lanes {lanes}, width {args.width}: graph replay {graph_ms:.2f} ms, eager {eager_ms:.2f} ms, "
+        print(f"\n=== lanes {lanes}, width {args.width}, max_model_len {capacity}: graph replay {graph_ms:.2f} ms, eager {eager_ms:.2f} ms, "
               f"{count} kernels summing to {kernel_ms:.2f} ms (mean {kernel_ms / max(count, 1) * 1e3:.1f} us)")
         for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {g:28s} {ms:8.3f} ms")
         for name, (n, ms) in top:
             print(f"  {n:5d} x {ms / n * 1e3:8.1f} us  {ms:7.3f} ms  {name[:110]}")
+        del engine, runner, inputs, eager
+        gc.collect()  # an engine is a reference cycle: free its pool before the next one sizes its own
         torch.cuda.empty_cache()
 
 

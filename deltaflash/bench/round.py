@@ -5,6 +5,7 @@ are what counts) against one GPU's weight-read limit of its share."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -19,9 +20,12 @@ from deltaflash.speculative.sources import ScriptedSource
 
 
 def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int, kernels: str = "auto",
-                    tree_budget: int = 0, tensor_parallel=None) -> Engine:
+                    tree_budget: int = 0, tensor_parallel=None, unwritten: bool = False) -> Engine:
     """An engine with `lanes` sequences past prefill, drafting from a (random) script (trees of
-    `tree_budget` nodes when given); `tensor_parallel`: this rank's place when the model is a share."""
+    `tree_budget` nodes when given); `tensor_parallel`: this rank's place when the model is a share.
+    `unwritten`: the prompts take their pages and lengths but are not computed (their K/V rows hold
+    whatever the pool held, the GDN state stays zero): a round reads the same bytes and does the same
+    arithmetic whatever the values, and 16 x 128k prompt tokens need minutes to prefill."""
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
     engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, max_num_batched_tokens=4096,
@@ -31,9 +35,32 @@ def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int
     for _ in range(lanes):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_new_tokens=max_len - prompt_len - 1, ignore_eos=True))
-    while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
-        engine.step()
+    with _prefill_skipped(engine) if unwritten else contextlib.nullcontext():
+        while any(s.status is not Status.DECODING for s in engine.scheduler.running.values()) or engine.scheduler.waiting:
+            engine.step()
     return engine
+
+
+@contextlib.contextmanager
+def _prefill_skipped(engine):
+    """Inside: a prefill chunk records its lanes' lengths and returns logits of zeros (eagerly: no
+    prefill graph, which holds the real forward)."""
+    runner, model = engine.runner, engine.runner.model
+    graphs = runner.prefill_graphs
+
+    def extend(batch, pool, kernels, tap_layer_ids=(), all_logits=False):
+        for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
+            if slot >= 0:
+                pool.lengths[slot] = start + n
+        L = batch.input_ids.shape[0]
+        return torch.zeros(L, model.cfg.vocab_size, device=batch.input_ids.device), None
+
+    runner.prefill_graphs, model.extend = {}, extend
+    try:
+        yield
+    finally:
+        runner.prefill_graphs = graphs
+        del model.extend  # the class's method again
 
 
 def verify_inputs(engine) -> tuple:
@@ -88,7 +115,7 @@ def _measure(tensor_parallel, args) -> dict | None:
             row = {"max_model_len": max_len, "lanes": lanes}
             for name, kernels in [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]:
                 engine = decoding_engine(model, lanes, args.width, args.prompt_len, max_len, kernels,
-                                         args.tree_budget, tensor_parallel)
+                                         args.tree_budget, tensor_parallel, args.unwritten_context)
                 graphs = engine.config.cuda_graphs
                 pages[max_len] = engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)
                 inputs = verify_inputs(engine)
@@ -115,7 +142,8 @@ def _measure(tensor_parallel, args) -> dict | None:
         return None
     per = f" per rank (tensor parallel {size}: rank 0's share and bandwidth)" if size > 1 else ""
     print(f"weight bytes read per forward{per} {read_bytes / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s; "
-          f"weight-read limit {limit:.2f} ms; W = {args.width}; context {args.prompt_len}; CUDA graphs: "
+          f"weight-read limit {limit:.2f} ms; W = {args.width}; context {args.prompt_len}"
+          f"{' (unwritten: prefill skipped)' if args.unwritten_context else ''}; CUDA graphs: "
           f"{'on' if graphs else 'off'}")
     for max_len, described in pages.items():
         print(f"max_model_len {max_len}: {described}")
@@ -137,6 +165,9 @@ def register(sub) -> None:
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--layers", type=int, default=None, help="layers (default: the shape's own)")
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--unwritten-context", action="store_true",
+                   help="give the lanes their prompt's pages and length without computing them (long contexts "
+                        "in seconds; a round's work does not depend on the values)")
     p.add_argument("--max-model-len", type=int, nargs="+", default=[1024],
                    help="capacities to time, each with the same lanes and context (several: the rounds side by side)")
     p.add_argument("--rounds", type=int, default=8)

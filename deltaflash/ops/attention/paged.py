@@ -291,8 +291,12 @@ def piece_programs(splits: int, programs_per_piece: int, device: torch.device) -
     heads), at most one per piece. One lane keeps a program per piece (its long context spread over the
     GPU); 16 lanes of a 256k table walk 128 pieces in 9 programs instead of launching 8,192 per layer that
     nearly all exit at once. A function of the launch's shape (fixed in a CUDA graph); never of a row's bits."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(splits, -(-PROGRAMS_PER_SM * sms // programs_per_piece)))
+    return max(1, min(splits, -(-PROGRAMS_PER_SM * multiprocessors(device) // programs_per_piece)))
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (8 on CPU, where the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def split_keys_for(max_keys: int) -> int:

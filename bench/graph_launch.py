@@ -11,16 +11,15 @@ from a second stream) may cost per node. This script measures both sides:
 2. the bundled demo pair's engine graphs (speculative engine): per graph and bucket, node count by type,
    edges, and host microseconds per replay.
 
-    python bench/graph_launch.py [--lanes 8] [--device cuda] [--dot DIR]
+    python bench/graph_launch.py [--lanes 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import re
+import ctypes
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,47 +56,71 @@ def synthetic(kind: str, n: int) -> torch.cuda.CUDAGraph:
             x.add_(1.0)
 
     body()
-    graph = torch.cuda.CUDAGraph()
-    graph.enable_debug_mode()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph):
         body()
+    graph.instantiate()
     return graph
 
 
-def dot_summary(graph: torch.cuda.CUDAGraph, path: Path) -> tuple[int, collections.Counter, int]:
-    """(nodes, node-type words seen, edges) from the graph's DOT dump (cudaGraphDebugDotPrint)."""
-    graph.debug_dump(str(path))
-    text = path.read_text()
-    nodes = len(set(re.findall(r"graph_\d+_node_\d+", text)))
-    types = collections.Counter(re.findall(r"\b(KERNEL|MEMSET|MEMCPY|HOST|EMPTY|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|"
-                                           r"MEM_FREE|CONDITIONAL|CHILD_GRAPH|BATCH_MEM_OP)\b", text.upper()))
-    return nodes, types, text.count("->")
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "wait event",
+              7: "event record", 8: "semaphore signal", 9: "semaphore wait", 10: "mem alloc", 11: "mem free",
+              12: "batch mem op", 13: "conditional"}
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch loaded (its path from this process's memory map)."""
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if "libcudart.so" in line), "libcudart.so")
+    return ctypes.CDLL(path)
+
+
+def graph_shape(graph: torch.cuda.CUDAGraph) -> tuple[int, collections.Counter, int]:
+    """(nodes, nodes by type, edges) of a graph kept after capture (keep_graph=True): edges == nodes - 1
+    for a straight line."""
+    rt, handle = _cudart(), ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    assert rt.cudaGraphGetNodes(handle, None, ctypes.byref(count)) == 0
+    nodes = (ctypes.c_void_p * count.value)()
+    assert rt.cudaGraphGetNodes(handle, nodes, ctypes.byref(count)) == 0
+    types = collections.Counter()
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        rt.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        types[NODE_TYPES.get(kind.value, str(kind.value))] += 1
+    version = ctypes.c_int(0)
+    rt.cudaRuntimeGetVersion(ctypes.byref(version))
+    edges = ctypes.c_size_t(0)
+    if version.value >= 13000:  # (CUDA 13 added the edge data argument)
+        rt.cudaGraphGetEdges(handle, None, None, None, ctypes.byref(edges))
+    else:
+        rt.cudaGraphGetEdges(handle, None, None, ctypes.byref(edges))
+    return count.value, types, edges.value
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=8)
-    ap.add_argument("--dot", default=None, help="keep the DOT dumps in this folder")
     args = ap.parse_args()
-    folder = Path(args.dot or tempfile.mkdtemp())
-    folder.mkdir(parents=True, exist_ok=True)
 
     print("synthetic graphs: host us per replay (device idle before it), node types, edges")
     for kind in ("line", "memcpy", "branch"):
         for n in (16, 128, 512):
             graph = synthetic(kind, n)
-            nodes, types, edges = dot_summary(graph, folder / f"synthetic-{kind}-{n}.dot")
+            nodes, types, edges = graph_shape(graph)
             print(f"  {kind:7s} {n:4d} kernels: {host_us(graph.replay):8.1f} us  {nodes} nodes {dict(types)} "
                   f"edges {edges}")
 
-    # the engine's own graphs: every capture in debug mode, so each can be dumped
+    # the engine's own graphs, each kept after its capture so its nodes can be listed
     made = []
     plain = torch.cuda.CUDAGraph
 
     class Recorded(plain):
+        def __new__(cls, *a, **k):
+            return super().__new__(cls, keep_graph=True)
+
         def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.enable_debug_mode()
+            super().__init__(keep_graph=True)
             made.append(self)
 
     torch.cuda.CUDAGraph = Recorded
@@ -116,7 +139,7 @@ def main() -> None:
         name, bucket = owners.get(id(graph), (f"graph {i}", 0))
         if bucket not in (0, args.lanes) and not name.startswith("prefill"):
             continue
-        nodes, types, edges = dot_summary(graph, folder / f"engine-{i}.dot")
+        nodes, types, edges = graph_shape(graph)
         rows.append((name, bucket, nodes, dict(types), edges, host_us(graph.replay)))
     for name, bucket, nodes, types, edges, us in rows:
         print(f"  {name:28s} bucket {bucket:3d}: {nodes:4d} nodes {types} edges {edges:4d}  host {us:8.1f} us")

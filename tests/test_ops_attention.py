@@ -98,28 +98,6 @@ def test_splits_do_not_change_the_result():
     assert torch.equal(outs[-1], one_piece)
 
 
-@pytest.mark.parametrize("mode", ["causal", "tree"])
-def test_programs_that_share_pieces_give_the_same_bits(mode, monkeypatch):
-    """With fewer programs than pieces (each walking every n-th piece, as many-lane launches of a long
-    table do) every row is the same bits as with a program per piece, and matches the reference; lanes
-    of 500, 3 (a padding lane) and 0 keys leave most of the 8 pieces empty."""
-    from deltaflash.ops.attention import paged
-
-    args = lanes(5, 4, 2, 64, 4, torch.float32, [500, 3, 0], seed=13, mode=mode)
-    splits = -(-args["block_tables"].shape[1] * 4 // 64)
-    options = dict(scale=0.125, mode=mode, split_keys=64)
-    monkeypatch.setattr(paged, "multiprocessors", lambda device: 8)  # the H200's 132 would give a program per piece
-    monkeypatch.setattr(paged, "PROGRAMS_PER_SM", 10 ** 6)  # a program per piece
-    assert paged.piece_programs(splits, 6, args["q"].device) == splits >= 8
-    apart = paged_attention(**args, **options)
-    for per_sm in (1, 3):
-        monkeypatch.setattr(paged, "PROGRAMS_PER_SM", per_sm)
-        assert paged.piece_programs(splits, 6, args["q"].device) < splits
-        shared = paged_attention(**args, **options)
-        assert torch.equal(shared, apart)
-    torch.testing.assert_close(apart, paged_attention_ref(**args, scale=0.125, mode=mode), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("key_tile", [(16, 1), (32, 2), (64, 3), (64, 32, 2), (16, 32, 2, 16), (16, 32, 2, 32),
                                       (16, 32, 2, 32, "dotsum"), (64, 32, 2, 64, "v2")],
                          ids=lambda t: ":".join(map(str, t)))

@@ -1,8 +1,7 @@
 """Paged attention in Triton: K/V read in place from the lanes' pages, up to each lane's real length.
 
-Reference and contract: naive.py; the math and the choices: README.md. A program per (lane, kv head,
-SUB sub-tiles of BM query rows) and per share of the key range's splits (`piece_programs`: one split each
-when the lanes are few, every n-th split when they are many). The query heads that share a kv head are stacked
+Reference and contract: naive.py; the math and the choices: README.md. One program per (lane, kv head,
+SUB sub-tiles of BM query rows, split of the key range). The query heads that share a kv head are stacked
 as rows (row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv
 head. A program walks its keys in tiles of BN, gathering each key's page from the lane's block table
 (pages need not be as large as a tile), with an online softmax in fp32 per sub-tile. The key range is cut at fixed
@@ -121,27 +120,29 @@ def _store_rows(out, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, par
         tl.store(part_lse + i_part, tl.where(b_sum > 0, b_max + tl.log(b_sum), float("-inf")), mask=m_m)
 
 
-@triton.jit(do_not_specialize=["T", "R", "SPLITS", "PIECE_PROGRAMS"])  # one binary for every block height and split count
+@triton.jit(do_not_specialize=["T", "R", "SPLITS"])  # one binary for every block height and split count
 def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
     stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     stride_bt, stride_o_l, stride_o_t, stride_o_h,
-    T, NKV, page_size, scale, window, R, split_keys, SPLITS, PIECE_PROGRAMS,
+    T, NKV, page_size, scale, window, R, split_keys, SPLITS,
     REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr,
     MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     SUM_BY_DOT: tl.constexpr = False,
 ):
-    """A program: SUB sub-tiles of BM query rows (1, 2 or 4) of one (lane, kv head) over the keys of every
-    PIECE_PROGRAMS-th split from its own.
+    """A program: SUB sub-tiles of BM query rows (1, 2 or 4) of one (lane, kv head) over one split's keys.
     Each key tile is loaded once and multiplied by every sub-tile; each sub-tile keeps its own softmax
     state, so a row's arithmetic is that of its BM-row sub-tile alone, whatever SUB is."""
     # row tiles innermost: the programs of one (lane, kv head, split) run side by side and share its K/V in L2
-    i_m, i_lg, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m, i_lg, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = (i_lg // NKV).to(tl.int64)
     i_g = i_lg % NKV
     slot = tl.load(slot_ids + i_l)
     ctx = tl.load(context_lens + i_l)
     kv_end = tl.where(slot >= 0, ctx + tl.load(n_rows + i_l), 0)
+    if SPLIT:
+        if i_s * split_keys >= kv_end:  # a piece past the lane's keys, which the combine never reads: at a
+            return  # long capacity nearly all of the grid, and a program of ~255 registers holds an SM
     o_d = tl.arange(0, BD)
     m_d = o_d < HD
     t_mask = tree_mask + i_l * T * T
@@ -158,65 +159,62 @@ def paged_attention_kernel(
     if WINDOWED:
         lo = tl.maximum(ctx + t_lo - window + 1, 0)
         hi = tl.minimum(hi, ctx + t_hi + window)
-    # this program's pieces: i_s, i_s + PIECE_PROGRAMS, ... (a piece's arithmetic is the same whichever program
-    # runs it); a piece past the lane's keys costs a few instructions, not a program
-    for i_s in range(i_p, SPLITS, PIECE_PROGRAMS):
-        # this split's share of them: keys [i_s, i_s + 1) * split_keys, walked in tiles at multiples of BN
-        s_lo = tl.maximum(lo, i_s * split_keys)
-        s_hi = tl.minimum(hi, (i_s + 1) * split_keys)
-        t_start = (s_lo // BN) * BN
-        live = s_lo < s_hi
+    # this split's share of them: keys [i_s, i_s + 1) * split_keys, walked in tiles at multiples of BN
+    s_lo = tl.maximum(lo, i_s * split_keys)
+    s_hi = tl.minimum(hi, (i_s + 1) * split_keys)
+    t_start = (s_lo // BN) * BN
+    live = s_lo < s_hi
 
-        o_t0, m_m0, b_q0 = _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
-        o_t1, m_m1, b_q1 = o_t0, m_m0, b_q0  # (unused unless SUB says)
-        o_t2, m_m2, b_q2 = o_t0, m_m0, b_q0
-        o_t3, m_m3, b_q3 = o_t0, m_m0, b_q0
+    o_t0, m_m0, b_q0 = _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+    o_t1, m_m1, b_q1 = o_t0, m_m0, b_q0  # (unused unless SUB says)
+    o_t2, m_m2, b_q2 = o_t0, m_m0, b_q0
+    o_t3, m_m3, b_q3 = o_t0, m_m0, b_q0
+    if SUB > 1:
+        o_t1, m_m1, b_q1 = _rows_of_q(q_lane, first + BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+    if SUB > 2:
+        o_t2, m_m2, b_q2 = _rows_of_q(q_lane, first + 2 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+        o_t3, m_m3, b_q3 = _rows_of_q(q_lane, first + 3 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+
+    b_max0 = tl.full([BM], float("-inf"), tl.float32)
+    b_sum0 = tl.zeros([BM], dtype=tl.float32)
+    b_acc0 = tl.zeros([BM, BD], dtype=tl.float32)
+    b_max1, b_sum1, b_acc1 = b_max0, b_sum0, b_acc0
+    b_max2, b_sum2, b_acc2 = b_max0, b_sum0, b_acc0
+    b_max3, b_sum3, b_acc3 = b_max0, b_sum0, b_acc0
+    p_table = block_tables + tl.maximum(slot, 0).to(tl.int64) * stride_bt
+    for start in range(t_start, s_hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = (o_n >= s_lo) & (o_n < s_hi)
+        page = tl.load(p_table + o_n // page_size, mask=m_n, other=0).to(tl.int64)
+        row = (o_n % page_size).to(tl.int64)
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_pages + page[:, None] * stride_k_p + row[:, None] * stride_k_s + i_g * stride_k_h
+                      + o_d[None, :], mask=m_kv, other=0.0)
+        b_v = tl.load(v_pages + page[:, None] * stride_v_p + row[:, None] * stride_v_s + i_g * stride_v_h
+                      + o_d[None, :], mask=m_kv, other=0.0)
+        b_max0, b_sum0, b_acc0 = _rows_over_keys(b_q0, b_k, b_v, o_t0, m_m0, o_n, m_n, ctx, t_mask, T, scale, window,
+                                                 b_max0, b_sum0, b_acc0, MODE, WINDOWED, IEEE, SUM_BY_DOT)
         if SUB > 1:
-            o_t1, m_m1, b_q1 = _rows_of_q(q_lane, first + BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+            b_max1, b_sum1, b_acc1 = _rows_over_keys(b_q1, b_k, b_v, o_t1, m_m1, o_n, m_n, ctx, t_mask, T, scale,
+                                                     window, b_max1, b_sum1, b_acc1, MODE, WINDOWED, IEEE, SUM_BY_DOT)
         if SUB > 2:
-            o_t2, m_m2, b_q2 = _rows_of_q(q_lane, first + 2 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
-            o_t3, m_m3, b_q3 = _rows_of_q(q_lane, first + 3 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+            b_max2, b_sum2, b_acc2 = _rows_over_keys(b_q2, b_k, b_v, o_t2, m_m2, o_n, m_n, ctx, t_mask, T, scale,
+                                                     window, b_max2, b_sum2, b_acc2, MODE, WINDOWED, IEEE, SUM_BY_DOT)
+            b_max3, b_sum3, b_acc3 = _rows_over_keys(b_q3, b_k, b_v, o_t3, m_m3, o_n, m_n, ctx, t_mask, T, scale,
+                                                     window, b_max3, b_sum3, b_acc3, MODE, WINDOWED, IEEE, SUM_BY_DOT)
 
-        b_max0 = tl.full([BM], float("-inf"), tl.float32)
-        b_sum0 = tl.zeros([BM], dtype=tl.float32)
-        b_acc0 = tl.zeros([BM, BD], dtype=tl.float32)
-        b_max1, b_sum1, b_acc1 = b_max0, b_sum0, b_acc0
-        b_max2, b_sum2, b_acc2 = b_max0, b_sum0, b_acc0
-        b_max3, b_sum3, b_acc3 = b_max0, b_sum0, b_acc0
-        p_table = block_tables + tl.maximum(slot, 0).to(tl.int64) * stride_bt
-        for start in range(t_start, s_hi, BN):
-            o_n = start + tl.arange(0, BN)
-            m_n = (o_n >= s_lo) & (o_n < s_hi)
-            page = tl.load(p_table + o_n // page_size, mask=m_n, other=0).to(tl.int64)
-            row = (o_n % page_size).to(tl.int64)
-            m_kv = m_n[:, None] & m_d[None, :]
-            b_k = tl.load(k_pages + page[:, None] * stride_k_p + row[:, None] * stride_k_s + i_g * stride_k_h
-                          + o_d[None, :], mask=m_kv, other=0.0)
-            b_v = tl.load(v_pages + page[:, None] * stride_v_p + row[:, None] * stride_v_s + i_g * stride_v_h
-                          + o_d[None, :], mask=m_kv, other=0.0)
-            b_max0, b_sum0, b_acc0 = _rows_over_keys(b_q0, b_k, b_v, o_t0, m_m0, o_n, m_n, ctx, t_mask, T, scale, window,
-                                                     b_max0, b_sum0, b_acc0, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-            if SUB > 1:
-                b_max1, b_sum1, b_acc1 = _rows_over_keys(b_q1, b_k, b_v, o_t1, m_m1, o_n, m_n, ctx, t_mask, T, scale,
-                                                         window, b_max1, b_sum1, b_acc1, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-            if SUB > 2:
-                b_max2, b_sum2, b_acc2 = _rows_over_keys(b_q2, b_k, b_v, o_t2, m_m2, o_n, m_n, ctx, t_mask, T, scale,
-                                                         window, b_max2, b_sum2, b_acc2, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-                b_max3, b_sum3, b_acc3 = _rows_over_keys(b_q3, b_k, b_v, o_t3, m_m3, o_n, m_n, ctx, t_mask, T, scale,
-                                                         window, b_max3, b_sum3, b_acc3, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-
-        out_lane = out + i_l * stride_o_l
-        part_base = (i_lg.to(tl.int64) * SPLITS + i_s) * R
-        _store_rows(out_lane, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max0, b_sum0, b_acc0,
-                    live, T, REP, HD, BD, BM, SPLIT)
-        if SUB > 1:
-            _store_rows(out_lane, part_out, part_lse, first + BM, i_g, stride_o_t, stride_o_h, part_base, b_max1, b_sum1,
-                        b_acc1, live, T, REP, HD, BD, BM, SPLIT)
-        if SUB > 2:
-            _store_rows(out_lane, part_out, part_lse, first + 2 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max2,
-                        b_sum2, b_acc2, live, T, REP, HD, BD, BM, SPLIT)
-            _store_rows(out_lane, part_out, part_lse, first + 3 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max3,
-                        b_sum3, b_acc3, live, T, REP, HD, BD, BM, SPLIT)
+    out_lane = out + i_l * stride_o_l
+    part_base = (i_lg.to(tl.int64) * SPLITS + i_s) * R
+    _store_rows(out_lane, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max0, b_sum0, b_acc0,
+                live, T, REP, HD, BD, BM, SPLIT)
+    if SUB > 1:
+        _store_rows(out_lane, part_out, part_lse, first + BM, i_g, stride_o_t, stride_o_h, part_base, b_max1, b_sum1,
+                    b_acc1, live, T, REP, HD, BD, BM, SPLIT)
+    if SUB > 2:
+        _store_rows(out_lane, part_out, part_lse, first + 2 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max2,
+                    b_sum2, b_acc2, live, T, REP, HD, BD, BM, SPLIT)
+        _store_rows(out_lane, part_out, part_lse, first + 3 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max3,
+                    b_sum3, b_acc3, live, T, REP, HD, BD, BM, SPLIT)
 
 
 @triton.jit(do_not_specialize=["T", "R", "SPLITS"])
@@ -282,23 +280,6 @@ def sub_tiles(rows: int, BM: int, program_rows: int = ROWS_PER_PROGRAM) -> int:
     return next(n for n in (1, 2, 4) if n * BM >= rows or n >= most)
 
 
-PROGRAMS_PER_SM = 4  # programs in flight per SM that piece_programs aims the grid at
-
-
-def piece_programs(splits: int, programs_per_piece: int, device: torch.device) -> int:
-    """Programs per (row tile, lane, kv head) that share its `splits` pieces, each taking every n-th: enough
-    for about PROGRAMS_PER_SM programs per SM over the launch's `programs_per_piece` (row tiles x lanes x kv
-    heads), at most one per piece. One lane keeps a program per piece (its long context spread over the
-    GPU); 16 lanes of a 256k table walk 128 pieces in 9 programs instead of launching 8,192 per layer that
-    nearly all exit at once. A function of the launch's shape (fixed in a CUDA graph); never of a row's bits."""
-    return max(1, min(splits, -(-PROGRAMS_PER_SM * multiprocessors(device) // programs_per_piece)))
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The device's SM count (8 on CPU, where the interpreter runs programs one by one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def split_keys_for(max_keys: int) -> int:
     """Keys per split for a table of `max_keys` positions: about MAX_SPLITS pieces of its capacity (a
     power of two, at least MIN_SPLIT_KEYS), so one lane's long context spreads over many programs while
@@ -349,15 +330,14 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
         part_lse = torch.empty(L * nkv * splits * R, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    programs = piece_programs(splits, m_tiles * L * nkv, q.device)
-    grid = (m_tiles, L * nkv, programs)
+    grid = (m_tiles, L * nkv, splits)
     with _mma_sync("v2" in flags):
         paged_attention_kernel[grid](
             q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows,
             q if tree_mask is None else tree_mask, out, part_out, part_lse,
             q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
             block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-            T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits, programs,
+            T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits,
             REP=rep, HD=hd, BD=BD, BM=BM, SUB=SUB, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None,
             SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, num_stages=stages,
             SUM_BY_DOT=bool({"dotsum", "v2"} & set(flags)),

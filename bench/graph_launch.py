@@ -1,17 +1,17 @@
 """What a CUDA graph launch costs the host on this machine, and what the engine's graphs are made of.
 
-The step profiles put ~0.25 ms of host time in each `cudaGraphLaunch` of the demo pair's graphs (a few
-hundred kernels each): on a 16 MB model that is a third of a speculative step. CUDA launches a
-straight-line graph of kernel nodes in about constant time; other graphs (memcpy nodes, branches
-from a second stream) may cost per node. This script measures both sides:
+The step profiles put ~0.18-0.25 ms of host time in each `cudaGraphLaunch` of the demo pair's graphs (a
+few hundred kernels each): on a 16 MB model that is a third of a speculative step. Yet graphs of up to 512
+torch elementwise kernels - a straight line, with memcpy nodes, or branching through a second stream -
+launched in 3-5 us on the H200 (seventeenth session). This script looks for the difference:
 
-1. synthetic graphs of N tiny kernels - straight line, with memcpy nodes, with a side-stream branch -
-   host microseconds per `replay()` (the device idle before each: a launch that queues behind work
-   measures the queue);
-2. the bundled demo pair's engine graphs (speculative engine): per graph and bucket, node count by type,
-   edges, and host microseconds per replay.
+1. synthetic graphs of N tiny nodes - torch elementwise kernels (a straight line, with memcpy nodes, with a
+   side-stream branch), Triton kernels, cuBLAS GEMMs - host microseconds per `replay()` with the device
+   idle before it, and (`busy`) right behind a long device sleep, as a step's launches are;
+2. the bundled demo pair's engine graphs (speculative engine; compiling its kernels takes a fresh machine
+   about a minute): per graph and bucket, node count by type, edges, host microseconds per replay.
 
-    python bench/graph_launch.py [--lanes 8]
+    python bench/graph_launch.py [--lanes 8] [--skip-synthetic] [--skip-engine]
 """
 
 from __future__ import annotations
@@ -24,15 +24,26 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 import deltaflash
 
 
-def host_us(replay, repeats: int = 60) -> float:
-    """Median host microseconds of one replay() call, the device idle before each."""
+@triton.jit
+def _bump(x, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(x + o, tl.load(x + o) + 1.0)
+
+
+def host_us(replay, repeats: int = 60, busy: bool = False) -> float:
+    """Median host microseconds of one replay() call, the device idle before each (busy: queued behind
+    ~1 ms of device sleep, as a step's second and third launches are behind its first)."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(2_000_000)  # cycles: ~1 ms at the H200's clock
         t0 = time.perf_counter()
         replay()
         times.append(time.perf_counter() - t0)
@@ -42,6 +53,8 @@ def host_us(replay, repeats: int = 60) -> float:
 
 def synthetic(kind: str, n: int) -> torch.cuda.CUDAGraph:
     x, y = torch.zeros(256, device="cuda"), torch.zeros(256, device="cuda")
+    a, b = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16), torch.randn(256, 256, device="cuda",
+                                                                                  dtype=torch.bfloat16)
     side = torch.cuda.Stream()
 
     def body():
@@ -53,7 +66,12 @@ def synthetic(kind: str, n: int) -> torch.cuda.CUDAGraph:
                 with torch.cuda.stream(side):
                     x.mul_(1.0)
                 torch.cuda.current_stream().wait_stream(side)
-            x.add_(1.0)
+            if kind == "triton":
+                _bump[(1,)](x, N=256)
+            elif kind == "gemm":
+                torch.mm(a, b)
+            else:
+                x.add_(1.0)
 
     body()
     graph = torch.cuda.CUDAGraph(keep_graph=True)
@@ -101,15 +119,20 @@ def graph_shape(graph: torch.cuda.CUDAGraph) -> tuple[int, collections.Counter, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=8)
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
     args = ap.parse_args()
 
-    print("synthetic graphs: host us per replay (device idle before it), node types, edges")
-    for kind in ("line", "memcpy", "branch"):
-        for n in (16, 128, 512):
-            graph = synthetic(kind, n)
-            nodes, types, edges = graph_shape(graph)
-            print(f"  {kind:7s} {n:4d} kernels: {host_us(graph.replay):8.1f} us  {nodes} nodes {dict(types)} "
-                  f"edges {edges}")
+    if not args.skip_synthetic:
+        print("synthetic graphs: host us per replay, device idle / busy before it; node types, edges", flush=True)
+        for kind in ("line", "memcpy", "branch", "triton", "gemm"):
+            for n in (16, 128, 512):
+                graph = synthetic(kind, n)
+                nodes, types, edges = graph_shape(graph)
+                print(f"  {kind:7s} {n:4d} nodes: {host_us(graph.replay):8.1f} / {host_us(graph.replay, busy=True):8.1f}"
+                      f" us  {nodes} nodes {dict(types)} edges {edges}", flush=True)
+    if args.skip_engine:
+        return
 
     # the engine's own graphs, each kept after its capture so its nodes can be listed
     made = []
@@ -134,15 +157,13 @@ def main() -> None:
     for fn in engine.runner.graphs.functions:
         for bucket, (graph, _) in fn.graphs.items():
             owners[id(graph)] = (fn.name, bucket)
-    rows = []
     for i, graph in enumerate(made):
         name, bucket = owners.get(id(graph), (f"graph {i}", 0))
         if bucket not in (0, args.lanes) and not name.startswith("prefill"):
             continue
         nodes, types, edges = graph_shape(graph)
-        rows.append((name, bucket, nodes, dict(types), edges, host_us(graph.replay)))
-    for name, bucket, nodes, types, edges, us in rows:
-        print(f"  {name:28s} bucket {bucket:3d}: {nodes:4d} nodes {types} edges {edges:4d}  host {us:8.1f} us")
+        print(f"  {name:28s} bucket {bucket:3d}: {nodes:4d} nodes {dict(types)} edges {edges:4d}  host "
+              f"{host_us(graph.replay):8.1f} / {host_us(graph.replay, busy=True):8.1f} us (idle / busy)", flush=True)
 
 
 if __name__ == "__main__":

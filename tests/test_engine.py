@@ -2,6 +2,7 @@
 stage, slot reuse with a drafter, mixed greedy and sampled lanes, the package's import floors."""
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -279,6 +280,66 @@ def test_a_chain_round_commits_before_its_read_and_refuses_a_stale_lane_first(pa
         runner.execute(plan)
     after = (pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache)
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and list(pool.lengths) == lengths
+
+
+class EagerGraph:
+    """Stands in for a LaneGraphs on the CPU: runs the function its graphs would have captured."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def run(self, *inputs):
+        self.calls += 1
+        return self.fn(*inputs)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_a_greedy_round_graph_drafts_verifies_accepts_and_commits_before_the_read(pairs, variant, monkeypatch):
+    """round_graphs: the function a greedy round's graph captures (engine/runner.py: _greedy_round: the
+    drafter's block, the verify, acceptance, the commit and the draft context), run eagerly in the graphs'
+    place on the CPU, serves every speculative round of greedy lanes with one read and nothing launched
+    after it, and gives target-only's tokens, with each lane's drafts capped by its width (a request's
+    last tokens). A lane asking for logprobs takes the ordinary path."""
+    import deltaflash.engine.runner as runner_module
+
+    target_dir, draft_dir = pairs[variant]
+    target_only = engine_for(target_dir)
+    plist, params = prompts(target_only.cfg.vocab_size, [5, 9, 3], seed=6), SamplingParams(max_new_tokens=14,
+                                                                                            ignore_eos=True)
+    expected = [c.token_ids for c in target_only.generate(plist, params)[0]]
+    ordinary = [c.accepted_lengths for c in engine_for(target_dir, draft_dir, kernels="triton").generate(plist, params)[0]]
+    engine = engine_for(target_dir, draft_dir, kernels="triton")
+    runner = engine.runner
+    graphs = {w: EagerGraph(functools.partial(runner._greedy_round, width=w)) for w in runner.widths[1:]}
+    monkeypatch.setattr(runner, "round_graphs", graphs)
+    ids = [engine.add_request(p, params) for p in plist]
+    seqs = {s.request_id: s for s in engine.scheduler.waiting}
+    out = {i: [] for i in ids}
+    counter = SyncCounter(monkeypatch)
+    monkeypatch.setattr(runner, "_commit", lambda *a, **k: counter.calls.append("late commit"))
+    monkeypatch.setattr(runner_module, "commit_unread_chains", lambda *a, **k: counter.calls.append("eager commit"))
+    rounds, widths = 0, set()
+    while engine.has_work():
+        counter.calls.clear()
+        report = []
+        for ev in engine.step(report.append):
+            out[ev.request_id] += ev.token_ids
+        if max(report[0].widths, default=1) > 1:
+            rounds += 1
+            widths.add(report[0].widths)
+            assert counter.calls == ["tolist"]
+    monkeypatch.undo()
+    assert rounds >= 3 and sum(g.calls for g in graphs.values()) == rounds
+    assert any(len(set(w)) > 1 for w in widths)  # lanes of one round capped to different widths
+    assert [out[i] for i in ids] == expected
+    # the drafts saw the same context as on the ordinary path (the round's draft context was appended)
+    assert [seqs[i].accepted_lengths for i in ids] == ordinary
+
+    engine.add_request(plist[0], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1))
+    calls = sum(g.calls for g in graphs.values())
+    while engine.has_work():
+        engine.step()
+    assert sum(g.calls for g in graphs.values()) == calls
 
 
 def test_overlap_work_runs_between_the_launch_and_the_read(pairs, monkeypatch):

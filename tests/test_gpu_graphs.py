@@ -305,3 +305,28 @@ def test_pinned_staging_keeps_queued_copies_intact_as_it_wraps():
     flags = to_device([True, False, True], "cuda", torch.bool)
     assert [g.tolist() for g in got] == want
     assert floats.tolist() == [0.5, -2.25] and flags.tolist() == [True, False, True]
+
+
+def test_greedy_round_graphs_are_lossless_and_replace_the_round_s_launches(tmp_path, monkeypatch):
+    """round_graphs on CUDA: every greedy chain round replays one captured graph (drafter block, verify,
+    acceptance, commit, draft context) with no launch after the step's read; the tokens are target-only's
+    and the accepted lengths those of the ordinary rounds (three graphs and the eager launches)."""
+    model, drafter = cuda_pair(tmp_path, seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    config = EngineConfig(max_slots=4, max_model_len=256, speculation="fixed")
+    expected = [c.token_ids for c in Engine(model, config=config).generate(prompts, params)[0]]
+    ordinary = Engine(model, None, drafter, config).generate(prompts, params)[0]
+    engine = Engine(model, None, drafter, EngineConfig(max_slots=4, max_model_len=256, speculation="fixed",
+                                                       round_graphs=True))
+    runner = engine.runner
+    assert set(runner.round_graphs) == set(runner.widths[1:]) and runner.round_graphs
+    replays = []
+    for graphs in runner.round_graphs.values():
+        real = graphs.run
+        monkeypatch.setattr(graphs, "run", lambda *a, _real=real: (replays.append(1), _real(*a))[1])
+    monkeypatch.setattr(runner, "_commit", lambda *a, **k: pytest.fail("a round committed after its read"))
+    got = engine.generate(prompts, params)[0]
+    assert [c.token_ids for c in got] == expected and replays
+    assert [c.accepted_lengths for c in got] == [c.accepted_lengths for c in ordinary]

@@ -86,7 +86,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, block_size=args.block_size, tree_budget=args.tree_budget,
                           tree_top_k=args.tree_top_k, speculation=args.speculation, batch_invariant=args.batch_invariant,
-                          max_model_len=args.max_model_len)  # the serve defaults otherwise
+                          max_model_len=args.max_model_len, round_graphs=args.round_graphs)  # the serve defaults otherwise
 
     def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
         spec = mode == "spec"
@@ -391,6 +391,8 @@ def register(sub) -> None:
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's products through the batch-invariant GEMM (ops/gemm) in both modes")
+    p.add_argument("--round-graphs", action="store_true",
+                   help="demo workload: greedy rounds replay one CUDA graph each (EngineConfig.round_graphs)")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

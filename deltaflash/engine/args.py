@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the target's products through a batch-invariant Triton GEMM instead of cuBLAS, so a token's "
                         "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
                         "opt-in: its speed is not measured yet)")
+    p.add_argument("--round-graphs", action="store_true",
+                   help="greedy chain rounds replay one CUDA graph each (draft, verify, accept, commit) instead of "
+                        "three graphs and ~25 launches (opt-in: not measured on a GPU yet)")
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
@@ -114,4 +117,4 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_par
                                   page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                                   tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                   speculation=args.speculation, batch_invariant=args.batch_invariant,
-                                  gpu_memory_utilization=args.gpu_memory_utilization, **config)
+                                  round_graphs=args.round_graphs, gpu_memory_utilization=args.gpu_memory_utilization, **config)

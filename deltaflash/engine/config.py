@@ -62,6 +62,11 @@ class EngineConfig:
     prefill_graphs: also replay prefill steps from graphs of fixed chunk shapes (lanes x a multiple of
         64 rows, engine/runner.py: prefill_shapes); steps that fit none, or would pad more than about
         twice their rows, run eagerly. None = with cuda_graphs unless DELTAFLASH_NO_PREFILL_GRAPHS=1.
+    round_graphs: a greedy chain round (every lane greedy, no logit rules, no logprobs, fused kernels, a
+        DFlash drafter, one rank) replays one CUDA graph per width - the drafter's block, the verify
+        forward, acceptance, the state commit and the drafter's context append - instead of three graphs
+        and ~25 eager launches; the host reads the counts and tokens as before. Opt-in until measured on
+        the GPU (engine/runner.py: _greedy_round).
     sync_phase_timing: sync the device between round phases (profiling: exact phase times, slower).
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
@@ -86,6 +91,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     prefill_graphs: bool | None = None
     batch_invariant: bool = False
+    round_graphs: bool = False
     sync_phase_timing: bool = False
     tensor_parallel_size: int = 1
 

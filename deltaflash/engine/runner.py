@@ -36,7 +36,7 @@ from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
 from deltaflash.speculative.grammar import lane_masks
 from deltaflash.speculative.logit_rules import LogitRules
-from deltaflash.speculative.sampling import LaneSampling
+from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
 from deltaflash.speculative.policy import RoundCosts
 from deltaflash.speculative.sources import DFlashSource, DraftSource
 from deltaflash.speculative.tree import DraftTree, accept_tree
@@ -74,7 +74,7 @@ class _Round:
 
     slot_ids: Tensor
     start: Tensor
-    out: VerifyOutput
+    out: VerifyOutput | None  # None: a greedy round's graph (committed inside it)
     accepted: Accepted
     tree: DraftTree | None = None
     committed: bool = False  # its rows were committed before the read (chains); the lengths are recorded after it
@@ -169,6 +169,14 @@ class ModelRunner:
                 inputs = ((N,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((N,), torch.long, -1), \
                     ((N,), torch.long, 0)
                 self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
+        # greedy chain rounds of each width > 1: drafting, verify, acceptance, commit and context append, one graph
+        self.round_graphs = {}
+        if self.graphs is not None and config.round_graphs and self.kernels.fused and not self.shard_logits \
+                and hasattr(draft_source, "greedy_drafts"):
+            lane = ((), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
+            for w in self.widths[1:]:
+                self.round_graphs[w] = self.graphs.add(f"greedy round W={w}", functools.partial(self._greedy_round,
+                                                                                                  width=w), lane)
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
@@ -445,6 +453,16 @@ class ModelRunner:
             logits = raw if rules is None else rules.apply(raw, None, tree)
             accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw)
             return _Round(slot_ids, start, out, accepted, tree), marks
+        graphs = self.round_graphs.get(W)
+        if graphs is not None and sampling.all_greedy and top_logprobs(seqs) is None \
+                and not any(s.params.has_rules or s.matcher is not None for s in seqs):
+            # room for every lane's most rows, checked before the graph's commit writes them (commit_unread_chains)
+            check_chains(self.pool, slots, [n + 1 for n in limits], starts, W)
+            out = graphs.run(anchors, slot_ids, start, n_draft)
+            if out is not None:
+                marks = [self._now()] * 2  # (one launch: the draft phase holds it, the verify phase is empty)
+                counts, tokens = out
+                return _Round(slot_ids, start, None, Accepted(counts=counts, tokens=tokens), committed=True), marks
         drafts, draft_q = anchors[:, None][:, :0], None
         if W > 1:  # the block's W - 1 drafts, of which a narrower round verifies the first ones
             drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)
@@ -511,12 +529,14 @@ class ModelRunner:
             taps = taps[torch.arange(L, device=self.device)[:, None], path]
         self._append_round_rows(round_.slot_ids, round_.start, taps, n_rows)
 
-    def _append_round_rows(self, slot_ids: Tensor, start: Tensor, taps: Tensor | None, n_rows: Tensor) -> None:
-        """The first n_rows[l] (device) of each lane's tapped rows, in token order, become draft context."""
+    def _append_round_rows(self, slot_ids: Tensor, start: Tensor, taps: Tensor | None, n_rows: Tensor,
+                           graphs: bool = True) -> None:
+        """The first n_rows[l] (device) of each lane's tapped rows, in token order, become draft context
+        (graphs False: eagerly, the call itself being captured)."""
         if self.source is not None and taps is not None:
             rows = torch.arange(taps.shape[1], device=self.device)
             kept = torch.where(rows[None] < n_rows[:, None], slot_ids[:, None], -1)
-            self.source.append(kept, start[:, None] + rows, taps)
+            self.source.append(kept, start[:, None] + rows, taps, graphs=graphs)
 
     # ---- the verify forward -------------------------------------------------------------------
     def decode(self, anchors: Tensor, slot_ids: Tensor, start: Tensor, slots_host: Sequence[int],
@@ -552,6 +572,23 @@ class ModelRunner:
         if self.source is not None and taps is not None:
             self.source.append(slot_ids[:, None], start[:, None], taps, graphs=False)
         return out
+
+    def _greedy_round(self, anchors: Tensor, slot_ids: Tensor, start: Tensor, n_draft: Tensor, width: int):
+        """What a greedy round's graph captures (every lane greedy, no logit rules, no logprobs): the
+        drafter's block (whole tables), the verify forward of anchor + width - 1 drafts, greedy acceptance
+        of at most n_draft[l] drafts, the fused commit of each lane's accepted rows and their draft
+        context - no launch after the step's read. Returns (accepted counts [L], tokens [L, width]).
+        The host checked the lanes for their most rows first (check_chains); padding lanes (slot -1)
+        draft from zeros, write only to sinks and commit nothing."""
+        drafts = self.source.greedy_drafts(slot_ids, anchors, start)[:, :width - 1]
+        logits, taps, windows, log = self._verify_rows(torch.cat([anchors[:, None], drafts], dim=1), slot_ids, start)
+        accepted = accept(logits, drafts, None, n_draft, ALL_GREEDY)
+        rows = accepted.counts + 1
+        plan = CommitPlan.chain(slot_ids, rows, width, slot_ids_host=(), accepted_len_host=(), start_host=())
+        self.kernels.commit_state(self.pool.recurrent_state, log.movedim(0, 1), self.pool.conv_history,
+                                  windows.movedim(0, 1), plan)
+        self._append_round_rows(slot_ids, start, taps, rows, graphs=False)
+        return accepted.counts, accepted.tokens
 
     def verify(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int,
                tree: DraftTree | None = None) -> VerifyOutput:

@@ -105,7 +105,7 @@ class LaneSampling:
         """One lane per request (params, seed, draw counter), padded with greedy lanes to `lanes`."""
         sampled = [p for p in params if not p.greedy]
         if not sampled:
-            return cls(None, None, None, None, None, all_greedy=True, filtered=False)
+            return ALL_GREEDY
         pad = (lanes or len(params)) - len(params)
         greedy = [p.greedy for p in params] + [True] * pad
         keys = [noise_keys(s, d) for s, d in zip(seeds, draws)] + [[[0, 0]] * _STREAMS] * pad
@@ -128,6 +128,9 @@ class LaneSampling:
     def stream(self, which: int) -> Tensor:
         """keys [L, 2] of one stream."""
         return self.keys[:, which]
+
+
+ALL_GREEDY = LaneSampling(None, None, None, None, None, all_greedy=True, filtered=False)  # build()'s all-greedy lanes
 
 
 def lane_probs(logits: Tensor, sampling: LaneSampling) -> Tensor:

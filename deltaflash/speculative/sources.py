@@ -26,7 +26,7 @@ from deltaflash.core.request import Sequence as Seq
 from deltaflash.models.vocab import Vocab
 from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
-from deltaflash.speculative.sampling import LaneSampling
+from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
 from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_children, ranked_children
 
 # (name, fn, per-lane input specs [(shape, dtype, padding value)]) -> an object whose `run(*inputs)`
@@ -130,6 +130,13 @@ class DFlashSource:
             logits = self.vocab.gather(logits.contiguous())
         picked = choose_tokens(self.drafter, hidden, logits, torch.where(slot_ids < 0, 0, anchors), sampling)
         return picked.tokens, full_vocab_probs(picked, logits.shape[-1])
+
+    def greedy_drafts(self, slot_ids: Tensor, anchors: Tensor, start: Tensor) -> Tensor:
+        """Every lane's greedy drafts [L, W-1] from the block forward reading whole tables (a fixed shape):
+        device work only, so a CUDA graph can hold it with the round around it (a vocabulary-parallel
+        target drafts through `draft`)."""
+        hidden, logits = self._block_logits(slot_ids, anchors, start)
+        return choose_tokens(self.drafter, hidden, logits, torch.where(slot_ids < 0, 0, anchors), ALL_GREEDY).tokens
 
     def draft_tree(self, seqs, slot_ids, anchors, start, budget, top_k):
         if self.tree_graphs is not None and self.tree == (budget, top_k):

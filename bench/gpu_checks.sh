@@ -6,7 +6,8 @@
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
-# treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache (tp: the 27B shape's round at TP 1 and
+# treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
+# longctxfast graphlaunch roundgraphs (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -87,6 +88,15 @@ for step in "$@"; do
                      run longctx 300 python3 -m deltaflash bench round --lanes 16 --routes fused --rounds 4 \
                          --prompt-len $ctx --max-model-len $(( ctx + 256 )) --json "$OUT/long-$ctx.json"
                  done ;;
+        longctxfast) for ctx in 4096 32768 131072; do  # the same rounds on unwritten contexts (no prefill: seconds)
+                         run longctxfast 90 python3 -m deltaflash bench round --lanes 16 --routes fused --rounds 6 \
+                             --prompt-len $ctx --max-model-len $(( ctx + 256 )) --unwritten-context \
+                             --json "$OUT/long-$ctx-unwritten.json"
+                     done ;;
+        graphlaunch) run graphlaunch 150 python3 bench/graph_launch.py --lanes 8 ;;  # host cost of graph launches
+        roundgraphs) for flag in "" --round-graphs; do  # a speculative step with greedy round graphs and without
+                         run roundgraphs 90 python3 bench/step_profile.py --lanes 8 --steps 60 $flag
+                     done ;;
         capacity) run capacity 420 python3 bench/capacity.py --json "$OUT/capacity.json" ;;  # issue 14: 32k sequences of 9B
         treeround) for budget in 0 16; do  # a tree round against a chain round of the same 16 rows
                        run treeround 150 python3 -m deltaflash bench round --lanes 1 16 --routes fused --rounds 6 \

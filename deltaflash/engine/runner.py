@@ -171,7 +171,7 @@ class ModelRunner:
                 self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
         # greedy chain rounds of each width > 1: drafting, verify, acceptance, commit and context append, one graph
         self.round_graphs = {}
-        if self.graphs is not None and config.round_graphs and self.kernels.fused and not self.shard_logits \
+        if self.graphs is not None and config.round_graphs and self.kernels.fused and config.tensor_parallel_size == 1 \
                 and hasattr(draft_source, "greedy_drafts"):
             lane = ((), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
             for w in self.widths[1:]:

@@ -164,6 +164,22 @@ def test_config_is_resolved_once_with_the_environment():
 
 
 # ---- one host sync per round ---------------------------------------------------------------------
+def speculative_rounds(engine, counter, out: dict, calls: list[str]) -> list[tuple[int, ...]]:
+    """Step until the engine is idle, adding each request's tokens to out[request id]; every step whose
+    round speculates (a lane wider than 1) makes exactly `calls` of the counter's calls. Returns the lane
+    widths of those rounds."""
+    widths = []
+    while engine.has_work():
+        counter.calls.clear()
+        report = []
+        for ev in engine.step(report.append):
+            out[ev.request_id] += ev.token_ids
+        if max(report[0].widths, default=1) > 1:
+            widths.append(report[0].widths)
+            assert counter.calls == calls
+    return widths
+
+
 class SyncCounter:
     """Counts calls that read a tensor's value on the host (each a device sync on a GPU)."""
 
@@ -254,15 +270,7 @@ def test_a_chain_round_commits_before_its_read_and_refuses_a_stale_lane_first(pa
     monkeypatch.setattr(runner_module, "commit_unread_chains",
                         lambda *a, **k: (counter.calls.append("commit"), real_commit(*a, **k))[1])
     monkeypatch.setattr(runner, "_commit", lambda *a, **k: counter.calls.append("late commit"))
-    chain_rounds = 0
-    while engine.has_work():
-        counter.calls.clear()
-        report = []
-        for ev in engine.step(report.append):
-            out[ev.request_id] += ev.token_ids
-        if max(report[0].widths, default=1) > 1:
-            chain_rounds += 1
-            assert counter.calls == ["commit", "tolist"]
+    chain_rounds = len(speculative_rounds(engine, counter, out, ["commit", "tolist"]))
     monkeypatch.undo()
     assert chain_rounds >= 3 and [out[i] for i in ids] == expected  # committed before the read, yet the same tokens
 
@@ -318,16 +326,8 @@ def test_a_greedy_round_graph_drafts_verifies_accepts_and_commits_before_the_rea
     counter = SyncCounter(monkeypatch)
     monkeypatch.setattr(runner, "_commit", lambda *a, **k: counter.calls.append("late commit"))
     monkeypatch.setattr(runner_module, "commit_unread_chains", lambda *a, **k: counter.calls.append("eager commit"))
-    rounds, widths = 0, set()
-    while engine.has_work():
-        counter.calls.clear()
-        report = []
-        for ev in engine.step(report.append):
-            out[ev.request_id] += ev.token_ids
-        if max(report[0].widths, default=1) > 1:
-            rounds += 1
-            widths.add(report[0].widths)
-            assert counter.calls == ["tolist"]
+    widths = speculative_rounds(engine, counter, out, ["tolist"])
+    rounds = len(widths)
     monkeypatch.undo()
     assert rounds >= 3 and sum(g.calls for g in graphs.values()) == rounds
     assert any(len(set(w)) > 1 for w in widths)  # lanes of one round capped to different widths

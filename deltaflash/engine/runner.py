@@ -436,8 +436,11 @@ class ModelRunner:
         slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
         # drafts a lane may accept: its width less one (a grammar lane speculates only in chains)
         limits = [0 if plan.tree_budget and s.matcher is not None else w - 1 for s, w in zip(seqs, plan.widths)]
-        if W > 1:  # (a width-1 round checks in decode) a stale lane is refused before the verify writes its rows
-            check_chains(self.pool, slots, (1,) * len(slots), starts, 1)
+        graphs = self._greedy_round_graphs(seqs, W)
+        if W > 1:  # (a width-1 round checks in decode) a stale lane is refused before the verify writes its rows;
+            # a round graph commits before the read too: room for each lane's most rows (commit_unread_chains)
+            most = [n + 1 for n in limits] if graphs is not None else (1,) * len(slots)
+            check_chains(self.pool, slots, most, starts, W if graphs is not None else 1)
         budgets = [min(s.params.tree_budget or W, W) for s in seqs]
         lanes = to_device([slots, starts, [s.pending for s in seqs], limits, budgets], self.device)
         slot_ids, start, anchors, n_draft, budget = lanes  # one transfer, five [L] rows
@@ -453,11 +456,7 @@ class ModelRunner:
             logits = raw if rules is None else rules.apply(raw, None, tree)
             accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw)
             return _Round(slot_ids, start, out, accepted, tree), marks
-        graphs = self.round_graphs.get(W)
-        if graphs is not None and sampling.all_greedy and top_logprobs(seqs) is None \
-                and not any(s.params.has_rules or s.matcher is not None for s in seqs):
-            # room for every lane's most rows, checked before the graph's commit writes them (commit_unread_chains)
-            check_chains(self.pool, slots, [n + 1 for n in limits], starts, W)
+        if graphs is not None:
             out = graphs.run(anchors, slot_ids, start, n_draft)
             if out is not None:
                 marks = [self._now()] * 2  # (one launch: the draft phase holds it, the verify phase is empty)
@@ -490,6 +489,14 @@ class ModelRunner:
         commit_unread_chains(self.pool, out, self.kernels, slot_ids, rows, slots, starts, [n + 1 for n in limits], W)
         self._append_round_rows(slot_ids, start, out.taps, rows)
         return _Round(slot_ids, start, out, accepted, committed=True), marks
+
+    def _greedy_round_graphs(self, seqs, width: int):
+        """The greedy round graphs of `width` when every lane can take them (greedy, no logit rules, no
+        grammar, no logprobs), else None."""
+        graphs = self.round_graphs.get(width)
+        if graphs is None or top_logprobs(seqs) is not None:
+            return None
+        return None if any(not s.params.greedy or s.params.has_rules or s.matcher is not None for s in seqs) else graphs
 
     def _whole_rows(self, logits: Tensor) -> Tensor:
         """A verify forward's logits over the whole vocabulary (a vocabulary-parallel rank's share gathered)."""

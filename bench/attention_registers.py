@@ -23,30 +23,30 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from deltaflash.ops.attention.paged import paged_attention_kernel, sub_tiles, tiles
+from deltaflash.ops.attention.paged import _mma_sync, key_tile_of, paged_attention_kernel, tiles
 
 POINTERS = dict(q="*bf16", k_pages="*bf16", v_pages="*bf16", block_tables="*i32", slot_ids="*i64",
                 context_lens="*i64", n_rows="*i64", tree_mask="*i8", out="*bf16", part_out="*fp32", part_lse="*fp32")
 FLOATS = ("scale",)
-DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_k_p", "stride_k_s", "stride_k_h",
-                             "stride_v_p", "stride_v_s", "stride_v_h", "stride_bt", "stride_o_l", "stride_o_t",
-                             "stride_o_h", "page_size", "split_keys"}
+DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_kv_p", "stride_kv_s", "stride_kv_h",
+                             "stride_bt", "stride_o_l", "stride_o_t",
+                             "stride_o_h", "split_keys"}
 
 
 def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, ...] | None = None) -> str:
-    BM, BN, stages = tiles(hd)
-    if key_tile is not None:
-        BM, BN, stages = key_tile if len(key_tile) == 3 else (BM, *key_tile)
-    SUB = sub_tiles(T * rep, BM)
-    options = dict(num_warps=8 if hd >= 256 else 4, num_stages=stages)
-    consts = dict(REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, SUB=SUB, BN=BN, MODE=mode, WINDOWED=False,
-                  SPLIT=splits > 1, IEEE=False)
+    tile = tiles(hd, splits > 1, T * rep) if key_tile is None else key_tile_of(key_tile, hd, splits > 1, T * rep)
+    BM, BN, stages = tile.rows, tile.keys, tile.stages
+    options = dict(num_warps=tile.warps, num_stages=stages)
+    consts = dict(PAGE=16, REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, BN=BN, MODE=mode, WINDOWED=False,
+                  SPLIT=splits > 1, IEEE=False, SUM_BY_DOT=tile.sum_by_dot, SYNC_MMA=tile.sync_mma,
+                  UNMASKED_FIRST=tile.unmasked_first)
     names = paged_attention_kernel.arg_names
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name in FLOATS else "i64")
                  for name in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in DIVISIBLE}
-    kernel = triton.compile(ASTSource(paged_attention_kernel, signature, consts, attrs),
-                            target=GPUTarget("cuda", 90, 32), options=options)
+    with _mma_sync(tile.sync_mma):
+        kernel = triton.compile(ASTSource(paged_attention_kernel, signature, consts, attrs),
+                                target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "attention.ptx"
         ptx.write_text(kernel.asm["ptx"])
@@ -56,7 +56,7 @@ def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[in
     ptx_text = kernel.asm["ptx"]
     piped = "cp.async pipeline" if "cp.async" in ptx_text else "no cp.async"
     mma = "wgmma" if "wgmma" in ptx_text else "mma.sync" if "mma.sync" in ptx_text else "no tensor-core op"
-    return f"BM {BM} x {SUB} BN {BN} stages {stages}: {found}, {kernel.metadata.shared} bytes shared, {piped}, {mma}"
+    return f"BM {BM} BN {BN} stages {stages} warps {tile.warps}: {found}, {kernel.metadata.shared} bytes shared, {piped}, {mma}"
 
 
 if __name__ == "__main__":
@@ -64,5 +64,5 @@ if __name__ == "__main__":
         for mode, label in ((0, "causal"), (2, "tree")):
             for splits in (1, 8):
                 print(f"{name:15s} {label:6s} splits {splits}: {report(T, rep, hd, mode, splits)}")
-    for key_tile in ((32, 3), (64, 3), (64, 64, 2)):  # other tiles bench attention --key-tiles times
+    for key_tile in ((32, 3), (64, 3), (64, 64, 2), (16, 64, 2, "dotsum"), (64, 64, 2, "v2", "w4", "onepass")):  # other tiles bench attention --key-tiles times
         print(f"9B verify W16   causal splits 8: {report(16, 4, 256, 0, 8, key_tile)}")

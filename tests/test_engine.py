@@ -312,15 +312,16 @@ def test_a_greedy_round_graph_drafts_verifies_accepts_and_commits_before_the_rea
 
     target_dir, draft_dir = pairs[variant]
     target_only = engine_for(target_dir)
-    plist, params = prompts(target_only.cfg.vocab_size, [5, 9, 3], seed=6), SamplingParams(max_new_tokens=14,
-                                                                                            ignore_eos=True)
+    plist = prompts(target_only.cfg.vocab_size, [5, 9, 3], seed=6)
+    # lengths of their own: lanes are capped to different widths near their ends whatever the drafts' acceptance
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 11, 8)]
     expected = [c.token_ids for c in target_only.generate(plist, params)[0]]
     ordinary = [c.accepted_lengths for c in engine_for(target_dir, draft_dir, kernels="triton").generate(plist, params)[0]]
     engine = engine_for(target_dir, draft_dir, kernels="triton")
     runner = engine.runner
     graphs = {w: EagerGraph(functools.partial(runner._greedy_round, width=w)) for w in runner.widths[1:]}
     monkeypatch.setattr(runner, "round_graphs", graphs)
-    ids = [engine.add_request(p, params) for p in plist]
+    ids = [engine.add_request(p, sp) for p, sp in zip(plist, params)]
     seqs = {s.request_id: s for s in engine.scheduler.waiting}
     out = {i: [] for i in ids}
     counter = SyncCounter(monkeypatch)

@@ -53,8 +53,8 @@ def run(args) -> dict:
                        "kernel_ms": kernel_ms, "roofline_ms": roofline_ms, "kernel/roofline": kernel_ms / roofline_ms}
                 for keys in args.split_keys:  # other split sizes, for choosing split_keys_for's rule
                     row[f"ms@{keys}"] = graph_ms(lambda: paged_attention(**call, scale=HD ** -0.5, split_keys=keys))
-                for tile in args.key_tiles:  # other tiles ([rows:]keys:stages[:program rows]), at the default split and each of --split-keys
-                    shape = tuple(int(t) if t.isdigit() else t for t in tile.split(":"))  # (flags: dotsum, v2)
+                for tile in args.key_tiles:  # other tiles ([rows:]keys:stages[:flags]), at the default split and each of --split-keys
+                    shape = tuple(int(t) if t.isdigit() else t for t in tile.split(":"))  # (flags: key_tile_of)
                     for keys in (None, *args.split_keys):
                         row[f"ms@{tile}" + (f"/{keys}" if keys else "")] = graph_ms(lambda: paged_attention(
                             **call, scale=HD ** -0.5, split_keys=keys, key_tile=shape))
@@ -80,11 +80,11 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--split-keys", type=int, nargs="*", default=[],
                    help="also time these keys per split (multiples of 64) beside the default rule's")
-    p.add_argument("--key-tiles", nargs="*", default=[], metavar="[ROWS:]KEYS:STAGES[:PROGRAM_ROWS][:dotsum|:v2]",
+    p.add_argument("--key-tiles", nargs="*", default=[], metavar="[ROWS:]KEYS:STAGES[:FLAG...]",
                    help="also time the kernel with these key tiles and pipeline stages, optionally query rows per "
-                        "sub-tile first and most query rows per program last (e.g. 32:3 64:2 16:64:2 64:64:2:64 "
-                        "16:64:2:32); a trailing dotsum sums the softmax weights by a tensor-core product, v2 also "
-                        "compiles on mma.sync at any height (64:64:2:64:v2 against 16:64:2:64:dotsum: same bits?)")
+                        "program first (e.g. 32:3 64:2 16:64:2 64:64:2); flags (ops/attention/paged.py key_tile_of): "
+                        "dotsum sums the softmax weights by a tensor-core product, v2 also compiles on mma.sync at "
+                        "any height, wN launches N warps, onepass masks every key tile")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="block tables as wide as this capacity, as an engine's (default: the lanes' pages)")
     p.add_argument("--json", default=None)

@@ -1,22 +1,24 @@
 """Paged attention in Triton: K/V read in place from the lanes' pages, up to each lane's real length.
 
 Reference and contract: naive.py; the math and the choices: README.md. One program per (lane, kv head,
-SUB sub-tiles of BM query rows, split of the key range). The query heads that share a kv head are stacked
-as rows (row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv
-head. A program walks its keys in tiles of BN, gathering each key's page from the lane's block table
-(pages need not be as large as a tile), with an online softmax in fp32 per sub-tile. The key range is cut at fixed
-multiples of `split_keys` (flash-decoding: one program per piece, `combine_kernel` merges them by
-log-sum-exp; a piece past a lane's length exits at once, so a CUDA graph captured for the table's
-capacity replays for any lengths).
+tile of BM query rows, split of the key range). The query heads that share a kv head are stacked as rows
+(row m = t * REP + r for block row t and head g * REP + r), so each K/V tile is read once per kv head. A
+program walks its keys in tiles of BN, gathering each key's page from the lane's block table (pages need
+not be as large as a tile), with an online softmax in fp32: first the whole tiles of committed keys,
+which every row sees (no masks), then the rest with the causal / tree / window masks. The key range is
+cut at fixed multiples of `split_keys` (flash-decoding: one program per piece, `combine_kernel` merges
+them by log-sum-exp; a piece past a lane's length exits at once, so a CUDA graph captured for the
+table's capacity replays for any lengths).
 
 Batch invariance: a row's result is the same bits whatever rows, lanes and lengths share the launch.
-BM is one height (`tiles`: 16- and 64-row tiles run on different tensor-core instructions whose bits
-differ) and each sub-tile keeps its own softmax state whatever SUB is, key tiles and splits start at
-fixed multiples of BN and `split_keys`, and
-a tile a row cannot see leaves its running max, sum and accumulator exactly as they were; the split
-size is a function of the table's capacity alone. So attention gives a verify row, a decode row and a
-tree node at the same position the same bits (the products around it must too for equal logits:
-ops/gemm).
+Split calls take 16-row tiles for short blocks and 64-row ones for long blocks (`tiles`), both on
+mma.sync with each row's softmax sum taken by a product with ones, so a row's arithmetic does not
+depend on the tile's height (wgmma's does: Hopper's 64-row products differ from mma.sync's in the last
+bits); key tiles and splits start at fixed multiples of BN and `split_keys`, a tile a row cannot see
+leaves its running max, sum and accumulator exactly as they were, and a mask that hides nothing
+changes no bit (so skipping it on committed tiles is free); the split size is a function of the
+table's capacity alone. So attention gives a verify row, a decode row and a tree node at the same
+position the same bits (the products around it must too for equal logits: ops/gemm).
 
 Compiles: Triton would specialise the integer arguments by value (== 1, divisible by 16), so a prefill
 of 16 or 32 rows would compile a new binary in the middle of serving; the block height (T, R) is marked
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,7 +55,7 @@ def _rows(first, i_g, stride_t, stride_h, T, REP: tl.constexpr, BD: tl.constexpr
 @triton.jit
 def _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP: tl.constexpr, HD: tl.constexpr,
                BD: tl.constexpr, BM: tl.constexpr):
-    """(block row t, valid, the query rows [BM, BD]) of a sub-tile starting at row `first` (not read
+    """(block row t, valid, the query rows [BM, BD]) of a row tile starting at row `first` (not read
     unless `live`: a program with no keys to walk)."""
     _, o_t, m_m, p_q = _rows(first, i_g, stride_q_t, stride_q_h, T, REP, BD, BM)
     return o_t, m_m, tl.load(q_lane + p_q, mask=(m_m & live)[:, None] & (tl.arange(0, BD) < HD)[None, :], other=0.0)
@@ -60,28 +63,33 @@ def _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP: tl.cons
 
 @triton.jit
 def _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, window, b_max, b_sum, b_acc,
-                    MODE: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr, SUM_BY_DOT: tl.constexpr = False):
-    """One sub-tile of query rows (block rows o_t) over one key tile (keys o_n, valid m_n): the online
+                    MODE: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr, SUM_BY_DOT: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """A tile of query rows (block rows o_t) over one key tile (keys o_n, valid m_n): the online
     softmax's update of (running max, sum, accumulator). A key the rows cannot see leaves them as they
-    were, to the bit (the max stays, p is 0, the rescale is exp(0) = 1)."""
+    were, to the bit (the max stays, p is 0, the rescale is exp(0) = 1). Not MASKED: every key of the
+    tile is a committed key every row sees (the mask would change no bit), so only the valid keys' scores are kept."""
     if IEEE:
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
     else:
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale
-    o_b = o_n - ctx  # index inside the block; < 0: a committed key, visible to every row
-    if MODE == 0:
-        m_vis = (o_b[None, :] < 0) | (o_b[None, :] <= o_t[:, None])
-    elif MODE == 1:
-        m_vis = (o_t[:, None] >= 0) & m_n[None, :]
-    else:
-        m_tree = m_m[:, None] & (o_b >= 0)[None, :] & m_n[None, :]
-        b_tree = tl.load(t_mask + o_t[:, None] * T + o_b[None, :], mask=m_tree, other=0)
-        m_vis = (o_b[None, :] < 0) | (b_tree != 0)
-    m_vis = m_vis & m_n[None, :]
-    if WINDOWED:
-        distance = (ctx + o_t)[:, None] - o_n[None, :]
-        m_vis = m_vis & (distance < window) & (-distance < window)
-    b_s = tl.where(m_vis, b_s, float("-inf"))
+    if MASKED:
+        o_b = o_n - ctx  # index inside the block; < 0: a committed key, visible to every row
+        if MODE == 0:
+            m_vis = (o_b[None, :] < 0) | (o_b[None, :] <= o_t[:, None])
+        elif MODE == 1:
+            m_vis = (o_t[:, None] >= 0) & m_n[None, :]
+        else:
+            m_tree = m_m[:, None] & (o_b >= 0)[None, :] & m_n[None, :]
+            b_tree = tl.load(t_mask + o_t[:, None] * T + o_b[None, :], mask=m_tree, other=0)
+            m_vis = (o_b[None, :] < 0) | (b_tree != 0)
+        m_vis = m_vis & m_n[None, :]
+        if WINDOWED:
+            distance = (ctx + o_t)[:, None] - o_n[None, :]
+            m_vis = m_vis & (distance < window) & (-distance < window)
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+    else:  # (a select all the same: both paths give the compiler one sequence around the scores - no fma
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))  # of the scale into the exponent on one path only)
     b_new = tl.maximum(b_max, tl.max(b_s, 1))
     b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # a row that has seen nothing yet
     b_p = tl.exp(b_s - b_safe[:, None])
@@ -95,18 +103,42 @@ def _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, wi
         b_sum = b_sum * b_alpha + tl.max(b_sums, 1)  # (its 16 columns are the same bits)
     else:
         b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
+    # the product accumulates onto the rescaled accumulator
     if IEEE:
-        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
     else:
-        b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
-    return b_new, b_sum, b_acc * b_alpha[:, None] + b_pv
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+    return b_new, b_sum, b_acc
+
+
+@triton.jit
+def _key_tile(k_pages, v_pages, p_table, start, s_lo, s_hi, i_g, stride_p, stride_s, stride_h,
+              PAGE: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
+    """Keys start .. start + BN - 1 (valid: those in [s_lo, s_hi)): (keys, valid, K tile, V tile), each
+    key's row gathered from its page (K and V pages share one layout). Not MASKED: all of them valid."""
+    o_n = start + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    m_n = (o_n >= s_lo) & (o_n < s_hi)
+    if MASKED:
+        page = tl.load(p_table + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
+    else:
+        page = tl.load(p_table + o_n // PAGE).to(tl.int64)
+    p_kv = (page * stride_p + (o_n % PAGE) * stride_s + i_g * stride_h)[:, None] + o_d[None, :]
+    if MASKED or BD != HD:
+        m_kv = m_n[:, None] & (o_d < HD)[None, :]
+        b_k = tl.load(k_pages + p_kv, mask=m_kv, other=0.0)
+        b_v = tl.load(v_pages + p_kv, mask=m_kv, other=0.0)
+    else:
+        b_k = tl.load(k_pages + p_kv)
+        b_v = tl.load(v_pages + p_kv)
+    return o_n, m_n, b_k, b_v
 
 
 @triton.jit
 def _store_rows(out, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max, b_sum, b_acc,
                 visited, T, REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
                 SPLIT: tl.constexpr):
-    """A sub-tile's result: its rows' output (one piece), or their partial output and log-sum-exp."""
+    """A row tile's result: its rows' output (one piece), or their partial output and log-sum-exp."""
     o_m, o_t, m_m, p_o = _rows(first, i_g, stride_o_t, stride_o_h, T, REP, BD, BM)
     o_d = tl.arange(0, BD)
     b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a row that sees no key gives zeros
@@ -123,16 +155,15 @@ def _store_rows(out, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, par
 @triton.jit(do_not_specialize=["T", "R", "SPLITS"])  # one binary for every block height and split count
 def paged_attention_kernel(
     q, k_pages, v_pages, block_tables, slot_ids, context_lens, n_rows, tree_mask, out, part_out, part_lse,
-    stride_q_l, stride_q_t, stride_q_h, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
+    stride_q_l, stride_q_t, stride_q_h, stride_kv_p, stride_kv_s, stride_kv_h,
     stride_bt, stride_o_l, stride_o_t, stride_o_h,
-    T, NKV, page_size, scale, window, R, split_keys, SPLITS,
-    REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr,
-    MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    SUM_BY_DOT: tl.constexpr = False,
+    T, NKV, scale, window, R, split_keys, SPLITS,
+    PAGE: tl.constexpr, REP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, MODE: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SUM_BY_DOT: tl.constexpr, SYNC_MMA: tl.constexpr, UNMASKED_FIRST: tl.constexpr,
 ):
-    """A program: SUB sub-tiles of BM query rows (1, 2 or 4) of one (lane, kv head) over one split's keys.
-    Each key tile is loaded once and multiplied by every sub-tile; each sub-tile keeps its own softmax
-    state, so a row's arithmetic is that of its BM-row sub-tile alone, whatever SUB is."""
+    """A program: BM query rows of one (lane, kv head) over one split's keys. (SYNC_MMA only keeps the
+    mma.sync build apart from the wgmma one in Triton's in-memory cache: `_mma_sync`.)"""
     # row tiles innermost: the programs of one (lane, kv head, split) run side by side and share its K/V in L2
     i_m, i_lg, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = (i_lg // NKV).to(tl.int64)
@@ -142,16 +173,12 @@ def paged_attention_kernel(
     kv_end = tl.where(slot >= 0, ctx + tl.load(n_rows + i_l), 0)
     if SPLIT:
         if i_s * split_keys >= kv_end:  # a piece past the lane's keys, which the combine never reads: at a
-            return  # long capacity nearly all of the grid, and a program of ~255 registers holds an SM
-    o_d = tl.arange(0, BD)
-    m_d = o_d < HD
-    t_mask = tree_mask + i_l * T * T
-    q_lane = q + i_l * stride_q_l
-    first = i_m * (BM * SUB)
+            return  # long capacity nearly all of the grid
+    first = i_m * BM
 
     # the keys any row of this program can see: [lo, hi)
     t_lo = first // REP
-    t_hi = tl.minimum((first + BM * SUB - 1) // REP, T - 1)
+    t_hi = tl.minimum((first + BM - 1) // REP, T - 1)
     hi = kv_end
     if MODE != 1:  # causal / tree rows see no block row past their own
         hi = tl.minimum(hi, ctx + t_hi + 1)
@@ -164,57 +191,34 @@ def paged_attention_kernel(
     s_hi = tl.minimum(hi, (i_s + 1) * split_keys)
     t_start = (s_lo // BN) * BN
     live = s_lo < s_hi
+    # whole tiles of committed keys first, which every row sees: no masks (a window masks every tile)
+    t_full = t_start
+    if not WINDOWED:
+        t_full = tl.maximum(t_start, t_start + (tl.minimum(s_hi, ctx) - t_start) // BN * BN)
+        t_full = tl.where(s_lo == t_start, t_full, t_start)
 
-    o_t0, m_m0, b_q0 = _rows_of_q(q_lane, first, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
-    o_t1, m_m1, b_q1 = o_t0, m_m0, b_q0  # (unused unless SUB says)
-    o_t2, m_m2, b_q2 = o_t0, m_m0, b_q0
-    o_t3, m_m3, b_q3 = o_t0, m_m0, b_q0
-    if SUB > 1:
-        o_t1, m_m1, b_q1 = _rows_of_q(q_lane, first + BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
-    if SUB > 2:
-        o_t2, m_m2, b_q2 = _rows_of_q(q_lane, first + 2 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
-        o_t3, m_m3, b_q3 = _rows_of_q(q_lane, first + 3 * BM, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
-
-    b_max0 = tl.full([BM], float("-inf"), tl.float32)
-    b_sum0 = tl.zeros([BM], dtype=tl.float32)
-    b_acc0 = tl.zeros([BM, BD], dtype=tl.float32)
-    b_max1, b_sum1, b_acc1 = b_max0, b_sum0, b_acc0
-    b_max2, b_sum2, b_acc2 = b_max0, b_sum0, b_acc0
-    b_max3, b_sum3, b_acc3 = b_max0, b_sum0, b_acc0
+    o_t, m_m, b_q = _rows_of_q(q + i_l * stride_q_l, first, i_g, stride_q_t, stride_q_h, T, live, REP, HD, BD, BM)
+    b_max = tl.full([BM], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     p_table = block_tables + tl.maximum(slot, 0).to(tl.int64) * stride_bt
-    for start in range(t_start, s_hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = (o_n >= s_lo) & (o_n < s_hi)
-        page = tl.load(p_table + o_n // page_size, mask=m_n, other=0).to(tl.int64)
-        row = (o_n % page_size).to(tl.int64)
-        m_kv = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(k_pages + page[:, None] * stride_k_p + row[:, None] * stride_k_s + i_g * stride_k_h
-                      + o_d[None, :], mask=m_kv, other=0.0)
-        b_v = tl.load(v_pages + page[:, None] * stride_v_p + row[:, None] * stride_v_s + i_g * stride_v_h
-                      + o_d[None, :], mask=m_kv, other=0.0)
-        b_max0, b_sum0, b_acc0 = _rows_over_keys(b_q0, b_k, b_v, o_t0, m_m0, o_n, m_n, ctx, t_mask, T, scale, window,
-                                                 b_max0, b_sum0, b_acc0, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-        if SUB > 1:
-            b_max1, b_sum1, b_acc1 = _rows_over_keys(b_q1, b_k, b_v, o_t1, m_m1, o_n, m_n, ctx, t_mask, T, scale,
-                                                     window, b_max1, b_sum1, b_acc1, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-        if SUB > 2:
-            b_max2, b_sum2, b_acc2 = _rows_over_keys(b_q2, b_k, b_v, o_t2, m_m2, o_n, m_n, ctx, t_mask, T, scale,
-                                                     window, b_max2, b_sum2, b_acc2, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-            b_max3, b_sum3, b_acc3 = _rows_over_keys(b_q3, b_k, b_v, o_t3, m_m3, o_n, m_n, ctx, t_mask, T, scale,
-                                                     window, b_max3, b_sum3, b_acc3, MODE, WINDOWED, IEEE, SUM_BY_DOT)
-
-    out_lane = out + i_l * stride_o_l
+    t_mask = tree_mask + i_l * T * T
+    if UNMASKED_FIRST:
+        for start in range(t_start, t_full, BN):
+            o_n, m_n, b_k, b_v = _key_tile(k_pages, v_pages, p_table, start, s_lo, s_hi, i_g, stride_kv_p, stride_kv_s,
+                                           stride_kv_h, PAGE, HD, BD, BN, False)
+            b_max, b_sum, b_acc = _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, window,
+                                                  b_max, b_sum, b_acc, MODE, WINDOWED, IEEE, SUM_BY_DOT, False)
+    else:
+        t_full = t_start
+    for start in range(t_full, s_hi, BN):
+        o_n, m_n, b_k, b_v = _key_tile(k_pages, v_pages, p_table, start, s_lo, s_hi, i_g, stride_kv_p, stride_kv_s,
+                                       stride_kv_h, PAGE, HD, BD, BN, True)
+        b_max, b_sum, b_acc = _rows_over_keys(b_q, b_k, b_v, o_t, m_m, o_n, m_n, ctx, t_mask, T, scale, window,
+                                              b_max, b_sum, b_acc, MODE, WINDOWED, IEEE, SUM_BY_DOT, True)
     part_base = (i_lg.to(tl.int64) * SPLITS + i_s) * R
-    _store_rows(out_lane, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max0, b_sum0, b_acc0,
-                live, T, REP, HD, BD, BM, SPLIT)
-    if SUB > 1:
-        _store_rows(out_lane, part_out, part_lse, first + BM, i_g, stride_o_t, stride_o_h, part_base, b_max1, b_sum1,
-                    b_acc1, live, T, REP, HD, BD, BM, SPLIT)
-    if SUB > 2:
-        _store_rows(out_lane, part_out, part_lse, first + 2 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max2,
-                    b_sum2, b_acc2, live, T, REP, HD, BD, BM, SPLIT)
-        _store_rows(out_lane, part_out, part_lse, first + 3 * BM, i_g, stride_o_t, stride_o_h, part_base, b_max3,
-                    b_sum3, b_acc3, live, T, REP, HD, BD, BM, SPLIT)
+    _store_rows(out + i_l * stride_o_l, part_out, part_lse, first, i_g, stride_o_t, stride_o_h, part_base, b_max,
+                b_sum, b_acc, live, T, REP, HD, BD, BM, SPLIT)
 
 
 @triton.jit(do_not_specialize=["T", "R", "SPLITS"])
@@ -254,30 +258,56 @@ def combine_kernel(part_out, part_lse, out, slot_ids, context_lens, n_rows, stri
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & (o_d < HD)[None, :])
 
 
-def tiles(head_dim: int, split: bool = True) -> tuple[int, int, int]:
-    """(BM query rows per sub-tile, BN keys per tile, pipeline stages). BM is one height whatever the block
-    (module docstring: batch invariance). Split calls (verify blocks, decode rows, the drafter's block):
-    16. A decode row (4 rows of the 9B shape) then fills a quarter of a sub-tile, not a sixteenth of a
-    64-row tile (16 lanes x 32k keys, 9B layer at the serve default's capacity: 0.72 against 1.37 ms,
-    H200), and a verify block's sub-tiles share each key tile in one program (`sub_tiles`; 1.86 against
-    1.44 ms: slower than one 64-row tile). 16-row products run on mma.sync and 64-row ones on wgmma, whose
-    bits differ, so no verify block may take the other height. Unsplit calls (prefill chunks after
-    committed keys: their rows fill the GPU alone, and no other kind of row is compared with theirs, README)
-    keep 64-row tiles on wgmma, cheaper per row when rows are many. Keys: tiles of 64 in a 2-stage
-    cp.async pipeline for heads wider than 128 (16 lanes x 128k keys 8.46 ms with 16-key tiles, 4.74 ms
-    with 64; `bench attention --key-tiles`); narrower heads 32 keys, 3 stages."""
+class Tile(NamedTuple):
+    """A launch's tiles: `rows` query rows per program (BM), `keys` per key tile (BN), pipeline `stages`,
+    `warps`; `sync_mma` compiles the products on mma.sync whatever the height (else Triton takes wgmma
+    for 64 rows on Hopper); `sum_by_dot` sums each row's softmax weights by a product with ones."""
+    rows: int
+    keys: int
+    stages: int
+    warps: int
+    sync_mma: bool = False
+    sum_by_dot: bool = False
+    unmasked_first: bool = True  # whole tiles of committed keys walked first, without masks
+
+
+def tiles(head_dim: int, split: bool = True, rows: int = 1) -> Tile:
+    """The tiles of a call of `rows` query rows per lane (T x rep).
+
+    Split calls (decode rows, verify blocks and trees, the drafter's block) must give a row the same bits
+    whatever block it sits in (module docstring), and both heights below do: each row's products are
+    mma.sync's (m16n8k16, k in order) and its softmax row sum is a product with ones, not a reduction in
+    the warps' layout (a verify block's rows equal the same rows decoded alone, to the bit, on the H200:
+    tests/test_ops_attention.py). Up to 16 rows (a decode row of the 9B shape is 4): one 16-row tile,
+    which wastes least on a short block (16 lanes x 32k keys, 9B layer: 0.63 ms, 1.25x the byte
+    roofline). More rows (a 16-row verify block is 64): 64-row tiles in four warps, each warp 16 rows
+    over the whole key tile (16 x 32k keys: 1.10 ms against 1.43 in eight warps, 1.27 on wgmma, 1.68
+    as four 16-row tiles of one program sharing each key tile, the scheme before; H200, `bench attention
+    --key-tiles`,
+    docs/benchmarks.md). Unsplit calls (prefill chunks after committed keys: their rows fill the GPU
+    alone, and no other kind of row is compared with theirs, README) take 64-row tiles on wgmma. Keys:
+    tiles of 64 in a 2-stage cp.async pipeline for heads wider than 128 (16 lanes x 128k keys 8.46 ms
+    with 16-key tiles, 4.74 ms with 64); narrower heads 32 keys, 3 stages."""
     BN, stages = (32, 3) if head_dim <= 128 else (64, 2)
-    return (16 if split else 64), BN, stages
+    warps = 4 if head_dim <= 128 else 8
+    if not split:
+        return Tile(64, BN, stages, warps)
+    if rows <= 16:
+        return Tile(16, BN, stages, warps, sum_by_dot=True)
+    return Tile(64, BN, stages, 4, sync_mma=True, sum_by_dot=True)
 
 
-ROWS_PER_PROGRAM = 64  # a program's sub-tiles hold at most this many query rows
-
-
-def sub_tiles(rows: int, BM: int, program_rows: int = ROWS_PER_PROGRAM) -> int:
-    """Sub-tiles of BM rows per program for a block of `rows` query rows (T x rep): 1, 2 or 4, as few as
-    hold them, at most `program_rows` rows. Only the launch's shape changes with it, never a row's bits."""
-    most = max(1, program_rows // BM)
-    return next(n for n in (1, 2, 4) if n * BM >= rows or n >= most)
+def key_tile_of(key_tile: tuple, head_dim: int, split: bool, rows: int) -> Tile:
+    """bench attention's tile sweep: ([BM,] BN, stages[, flags]) as a Tile; flags "dotsum" (sum_by_dot),
+    "v2" (sync_mma and sum_by_dot), "wN" (N warps), "onepass" (every key tile masked, not
+    unmasked_first). Unflagged tiles sum in the layout's order on the height's own instructions."""
+    default = tiles(head_dim, split, rows)
+    flags = [t for t in key_tile if isinstance(t, str)]
+    sizes = [t for t in key_tile if not isinstance(t, str)]
+    BM, BN, stages = sizes if len(sizes) == 3 else (default.rows, *sizes)
+    warps = next((int(f[1:]) for f in flags if f[:1] == "w" and f[1:].isdigit()), default.warps)
+    return Tile(BM, BN, stages, warps, sync_mma="v2" in flags, sum_by_dot=bool({"dotsum", "v2"} & set(flags)),
+                unmasked_first="onepass" not in flags)
 
 
 def split_keys_for(max_keys: int) -> int:
@@ -290,9 +320,10 @@ def split_keys_for(max_keys: int) -> int:
 
 @contextlib.contextmanager
 def _mma_sync(on: bool):
-    """Compiles inside use mma.sync for every tile height (Triton's DISABLE_MMA_V3, a cache-keyed
-    environment variable read at compile time): an experiment of bench attention's "v2" key tiles - a
-    64-row tile on mma.sync has the 16-row sub-tiles' per-element products."""
+    """Compiles inside use mma.sync for every tile height: Triton's DISABLE_MMA_V3, an environment
+    variable read at compile time and part of its disk cache's key (the kernel's SYNC_MMA constexpr keeps
+    the two builds apart in its in-memory cache). Set only around the launch; a kernel another thread
+    compiles meanwhile would take mma.sync too - slower, never wrong."""
     if not on:
         yield
         return
@@ -313,34 +344,26 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     L, T, nh, hd = q.shape
     nkv = key_pages.shape[2]
     rep = nh // nkv
-    BM, BN, stages = tiles(hd, split)
-    program_rows, flags = ROWS_PER_PROGRAM, ()
-    if key_tile is not None:  # ([BM,] BN, pipeline stages[, rows per program][, flags]): bench attention's tile sweep
-        flags = tuple(t for t in key_tile if isinstance(t, str))
-        sizes = tuple(t for t in key_tile if not isinstance(t, str))
-        BM, BN, stages, *most = sizes if len(sizes) >= 3 else (BM, *sizes)
-        program_rows = most[0] if most else program_rows
+    R = T * rep
+    tile = tiles(hd, split, R) if key_tile is None else key_tile_of(key_tile, hd, split, R)
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
-    R = T * rep
-    SUB = sub_tiles(R, BM, program_rows)
-    m_tiles = triton.cdiv(R, BM * SUB)
     if splits > 1:
         part_out = torch.empty(L * nkv * splits * R, BD, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(L * nkv * splits * R, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    grid = (m_tiles, L * nkv, splits)
-    with _mma_sync("v2" in flags):
+    grid = (triton.cdiv(R, tile.rows), L * nkv, splits)
+    with _mma_sync(tile.sync_mma):
         paged_attention_kernel[grid](
             q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows,
             q if tree_mask is None else tree_mask, out, part_out, part_lse,
-            q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3], *value_pages.stride()[:3],
+            q.stride(0), q.stride(1), q.stride(2), *key_pages.stride()[:3],
             block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-            T, nkv, key_pages.shape[1], scale, window or 0, R, split_keys, splits,
-            REP=rep, HD=hd, BD=BD, BM=BM, SUB=SUB, BN=BN, MODE=_MODE_IDS[mode], WINDOWED=window is not None,
-            SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=8 if BD >= 256 else 4, num_stages=stages,
-            SUM_BY_DOT=bool({"dotsum", "v2"} & set(flags)),
+            T, nkv, scale, window or 0, R, split_keys, splits,
+            PAGE=key_pages.shape[1], REP=rep, HD=hd, BD=BD, BM=tile.rows, BN=tile.keys, MODE=_MODE_IDS[mode],
+            WINDOWED=window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+            SUM_BY_DOT=tile.sum_by_dot, SYNC_MMA=tile.sync_mma, UNMASKED_FIRST=tile.unmasked_first, num_warps=tile.warps, num_stages=tile.stages,
         )
     if splits > 1:
         # (a row's merge is its own: the combine's row tiles need not be the attention's)
@@ -360,10 +383,9 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
     (None: `split_keys_for` the table's capacity; with `split` False the whole table, one piece: no
     partial results and no combine, for calls with rows enough to fill the GPU - prefill chunks - on
     64-row tiles: `tiles`).
-    key_tile: (keys per tile, pipeline stages), or (query rows per sub-tile, keys per tile, stages[, most
-    query rows per program]), instead of `tiles`' choice, for timing other tiles; a trailing "dotsum" sums
-    each row's softmax weights by a product with ones (tensor-core order) and "v2" does too on mma.sync at
-    any height (experiments: a 64-row mma.sync tile whose rows match 16-row sub-tiles to the bit)."""
+    key_tile: (keys per tile, pipeline stages), or (query rows per tile, keys per tile, stages), instead of
+    `tiles`' choice, for timing other tiles; trailing flags (`key_tile_of`): "dotsum" sums each row's
+    softmax weights by a product with ones, "v2" does too on mma.sync at any height, "w4" launches 4 warps."""
     L, T, nh, hd = q.shape
     P, page_size, nkv, hd_k = key_pages.shape
     if value_pages.shape != key_pages.shape or hd_k != hd or nh % nkv:
@@ -371,6 +393,9 @@ def paged_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch
                          f"{tuple(value_pages.shape)} do not fit: [L, T, nh, hd] and [P, page, nkv, hd], nh % nkv == 0")
     if key_pages.stride(-1) != 1 or value_pages.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the pages need unit stride over head_dim")
+    if value_pages.stride() != key_pages.stride():
+        raise ValueError(f"key and value pages need one layout, got strides {key_pages.stride()} and "
+                         f"{value_pages.stride()}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if (mode == "tree") != (tree_mask is not None):

@@ -36,7 +36,7 @@ DIVISIBLE = set(POINTERS) | {"stride_q_l", "stride_q_t", "stride_q_h", "stride_k
 def report(T: int, rep: int, hd: int, mode: int, splits: int, key_tile: tuple[int, ...] | None = None) -> str:
     tile = tiles(hd, splits > 1, T * rep) if key_tile is None else key_tile_of(key_tile, hd, splits > 1, T * rep)
     BM, BN, stages = tile.rows, tile.keys, tile.stages
-    options = dict(num_warps=tile.warps, num_stages=stages)
+    options = dict(num_warps=tile.warps, num_stages=stages, maxnreg=tile.max_registers)
     consts = dict(PAGE=16, REP=rep, HD=hd, BD=triton.next_power_of_2(hd), BM=BM, BN=BN, MODE=mode, WINDOWED=False,
                   SPLIT=splits > 1, IEEE=False, SUM_BY_DOT=tile.sum_by_dot, SYNC_MMA=tile.sync_mma,
                   UNMASKED_FIRST=tile.unmasked_first)

@@ -84,7 +84,7 @@ def register(sub) -> None:
                    help="also time the kernel with these key tiles and pipeline stages, optionally query rows per "
                         "program first (e.g. 32:3 64:2 16:64:2 64:64:2); flags (ops/attention/paged.py key_tile_of): "
                         "dotsum sums the softmax weights by a tensor-core product, v2 also compiles on mma.sync at "
-                        "any height, wN launches N warps, onepass masks every key tile")
+                        "any height, wN launches N warps, rN caps a thread's registers at N, onepass masks every key tile")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="block tables as wide as this capacity, as an engine's (default: the lanes' pages)")
     p.add_argument("--json", default=None)

@@ -269,6 +269,7 @@ class Tile(NamedTuple):
     sync_mma: bool = False
     sum_by_dot: bool = False
     unmasked_first: bool = True  # whole tiles of committed keys walked first, without masks
+    max_registers: int | None = None  # ptxas's cap per thread (occupancy: 65,536 per SM / (32 x warps x cap))
 
 
 def tiles(head_dim: int, split: bool = True, rows: int = 1) -> Tile:
@@ -278,13 +279,13 @@ def tiles(head_dim: int, split: bool = True, rows: int = 1) -> Tile:
     whatever block it sits in (module docstring), and both heights below do: each row's products are
     mma.sync's (m16n8k16, k in order) and its softmax row sum is a product with ones, not a reduction in
     the warps' layout (a verify block's rows equal the same rows decoded alone, to the bit, on the H200:
-    tests/test_ops_attention.py). Up to 16 rows (a decode row of the 9B shape is 4): one 16-row tile,
-    which wastes least on a short block (16 lanes x 32k keys, 9B layer: 0.63 ms, 1.25x the byte
-    roofline). More rows (a 16-row verify block is 64): 64-row tiles in four warps, each warp 16 rows
-    over the whole key tile (16 x 32k keys: 1.10 ms against 1.43 in eight warps, 1.27 on wgmma, 1.68
-    as four 16-row tiles of one program sharing each key tile, the scheme before; H200, `bench attention
-    --key-tiles`,
-    docs/benchmarks.md). Unsplit calls (prefill chunks after committed keys: their rows fill the GPU
+    tests/test_ops_attention.py). Up to 16 rows (a decode row of the 9B shape is 4): one 16-row tile in
+    four warps, which wastes least on a short block (16 lanes x 32k keys, 9B layer: 0.52 ms, 1.03x the
+    byte roofline; in eight warps 0.70: 182 registers a thread hold an SM per program, four warps' 255
+    let two programs share it). More rows (a 16-row verify block is 64): 64-row tiles in four warps, each
+    warp 16 rows over the whole key tile (16 x 32k keys: 0.98 ms, 1.95x, against 1.43 in eight warps,
+    1.27 on wgmma, 1.68 as four 16-row tiles of one program sharing each key tile, the scheme before;
+    H200, `bench attention --key-tiles`, docs/benchmarks.md). Unsplit calls (prefill chunks after committed keys: their rows fill the GPU
     alone, and no other kind of row is compared with theirs, README) take 64-row tiles on wgmma. Keys:
     tiles of 64 in a 2-stage cp.async pipeline for heads wider than 128 (16 lanes x 128k keys 8.46 ms
     with 16-key tiles, 4.74 ms with 64); narrower heads 32 keys, 3 stages."""
@@ -293,21 +294,24 @@ def tiles(head_dim: int, split: bool = True, rows: int = 1) -> Tile:
     if not split:
         return Tile(64, BN, stages, warps)
     if rows <= 16:
-        return Tile(16, BN, stages, warps, sum_by_dot=True)
+        return Tile(16, BN, stages, 4, sum_by_dot=True)
     return Tile(64, BN, stages, 4, sync_mma=True, sum_by_dot=True)
 
 
 def key_tile_of(key_tile: tuple, head_dim: int, split: bool, rows: int) -> Tile:
     """bench attention's tile sweep: ([BM,] BN, stages[, flags]) as a Tile; flags "dotsum" (sum_by_dot),
-    "v2" (sync_mma and sum_by_dot), "wN" (N warps), "onepass" (every key tile masked, not
-    unmasked_first). Unflagged tiles sum in the layout's order on the height's own instructions."""
+    "v2" (sync_mma and sum_by_dot), "wN" (N warps), "rN" (at most N registers a thread), "onepass" (every
+    key tile masked, not unmasked_first). Unflagged tiles sum in the layout's order on the height's own
+    instructions."""
     default = tiles(head_dim, split, rows)
     flags = [t for t in key_tile if isinstance(t, str)]
     sizes = [t for t in key_tile if not isinstance(t, str)]
     BM, BN, stages = sizes if len(sizes) == 3 else (default.rows, *sizes)
-    warps = next((int(f[1:]) for f in flags if f[:1] == "w" and f[1:].isdigit()), default.warps)
-    return Tile(BM, BN, stages, warps, sync_mma="v2" in flags, sum_by_dot=bool({"dotsum", "v2"} & set(flags)),
-                unmasked_first="onepass" not in flags)
+    def numbered(letter, otherwise):
+        return next((int(f[1:]) for f in flags if f[:1] == letter and f[1:].isdigit()), otherwise)
+    return Tile(BM, BN, stages, numbered("w", default.warps), sync_mma="v2" in flags,
+                sum_by_dot=bool({"dotsum", "v2"} & set(flags)), unmasked_first="onepass" not in flags,
+                max_registers=numbered("r", default.max_registers))
 
 
 def split_keys_for(max_keys: int) -> int:
@@ -364,6 +368,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
             PAGE=key_pages.shape[1], REP=rep, HD=hd, BD=BD, BM=tile.rows, BN=tile.keys, MODE=_MODE_IDS[mode],
             WINDOWED=window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
             SUM_BY_DOT=tile.sum_by_dot, SYNC_MMA=tile.sync_mma, UNMASKED_FIRST=tile.unmasked_first, num_warps=tile.warps, num_stages=tile.stages,
+            maxnreg=tile.max_registers,
         )
     if splits > 1:
         # (a row's merge is its own: the combine's row tiles need not be the attention's)

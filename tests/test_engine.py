@@ -47,6 +47,21 @@ def sequence(rid: str, prompt_len: int, max_new: int = 10) -> Sequence:
     return Sequence(rid, list(range(prompt_len)), SamplingParams(max_new_tokens=max_new), frozenset(), seed=0)
 
 
+def test_prefill_chunks_of_a_resumed_sequence_join_its_prompt_and_output():
+    """A preempted sequence recomputes its prompt and every generated token but the pending one; a chunk
+    of them is cut without joining the two lists first."""
+    resumed, fresh = sequence("r", 5), sequence("f", 4)
+    resumed.output_ids = [10, 11, 12]
+    joined = resumed.prompt_ids + resumed.output_ids[:-1]
+    assert (resumed.prefill_len, fresh.prefill_len) == (7, 4)
+    for start in range(8):
+        for stop in range(start, 10):
+            assert resumed.prefill_tokens(start, stop) == joined[start:stop], (start, stop)
+    assert fresh.prefill_tokens(1, 3) == [1, 2] and fresh.prefill_tokens(2, 9) == [2, 3]
+    resumed.num_prefilled = 5
+    assert resumed.prompt_left == 2
+
+
 def test_scheduler_admits_by_slots_and_spends_the_prefill_budget_in_order():
     """Prompts get the idle budget while nothing decodes, the step budget beside a round."""
     config = EngineConfig(max_slots=2, max_num_batched_tokens=10, idle_prefill_tokens=16,

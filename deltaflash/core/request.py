@@ -146,14 +146,21 @@ class Sequence:
         return self.params.max_new_tokens - len(self.output_ids)
 
     @property
-    def prefill_ids(self) -> list[int]:
-        """The tokens whose state a prefill builds: the prompt, and for a sequence resumed after a
+    def prefill_len(self) -> int:
+        """How many tokens a prefill builds the state of: the prompt, and for a sequence resumed after a
         preemption also every generated token but the pending one (recomputed, not emitted again)."""
-        return self.prompt_ids + self.output_ids[:-1] if self.output_ids else self.prompt_ids
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    def prefill_tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop-1 of those (a chunk), without joining the prompt and output first."""
+        stop = min(stop, self.prefill_len)
+        n = len(self.prompt_ids)
+        head = self.prompt_ids[start:stop]
+        return head if stop <= n else head + self.output_ids[max(start - n, 0):stop - n]
 
     @property
     def prompt_left(self) -> int:
-        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0) - self.num_prefilled
+        return self.prefill_len - self.num_prefilled
 
 
 def resolve_seed(params: SamplingParams) -> int:

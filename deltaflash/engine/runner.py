@@ -35,7 +35,7 @@ from deltaflash.ops.attention import dense as dense_attention
 from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
 from deltaflash.speculative.grammar import lane_masks
-from deltaflash.speculative.logit_rules import LogitRules
+from deltaflash.speculative.logit_rules import LogitRules, PenaltyHistory
 from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
 from deltaflash.speculative.policy import RoundCosts
 from deltaflash.speculative.sources import DFlashSource, DraftSource
@@ -150,6 +150,7 @@ class ModelRunner:
                                         self.kernels.paged_attention,
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None)
         self.source = draft_source
+        self.penalty_history = PenaltyHistory(config.max_slots, self.cfg.vocab_size, self.device)
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
         # a vocabulary-parallel target's verify forward (and its graphs) returns this rank's share of the
         # logits: a round gathers them only when it needs whole rows (sampling, logit rules, logprobs, trees)
@@ -510,7 +511,7 @@ class ModelRunner:
         if grammar:  # a tree round (drafts None) masks only row 0: grammar lanes accept no draft there
             host = drafts.tolist() if width > 1 and drafts is not None else None
             masks = to_device(lane_masks(seqs, host, width, grammar[0].words), self.device)
-        return LogitRules.build(seqs, self.cfg.vocab_size, self.device, masks)
+        return LogitRules.build(seqs, self.cfg.vocab_size, self.device, masks, self.penalty_history)
 
     def _commit(self, plan: StepPlan, round_: _Round, accepted: Sequence[int],
                 paths: tuple[tuple[int, ...], ...] | None = None, parents: list[int] | None = None) -> None:

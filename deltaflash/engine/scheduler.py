@@ -120,12 +120,12 @@ class Scheduler:
         admitted = []
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
             seq = self.waiting[0]
-            need = pages_for(len(seq.prefill_ids), self.config.page_size)
+            need = pages_for(seq.prefill_len, self.config.page_size)
             if need > self.pages.num_free - (self.watermark if self.running else 0):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, 0
-            grants += self.pages.grow(seq.slot, len(seq.prefill_ids))
+            grants += self.pages.grow(seq.slot, seq.prefill_len)
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
@@ -193,7 +193,7 @@ class Scheduler:
             n = min(seq.prompt_left, budget)
             start = seq.num_prefilled
             last = n == seq.prompt_left
-            chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_ids[start:start + n]), last,
+            chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,
                                        emits=last and not seq.output_ids))
             budget -= n
         return chunks

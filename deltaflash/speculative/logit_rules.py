@@ -10,6 +10,8 @@ them. Target-only decoding is the same with one row. Per row, in order (as vLLM 
 - grammar: tokens the request's grammar does not allow after the row's history at -inf.
 Greedy lanes take the argmax of the result, sampled lanes lane_probs of it (temperature, top-k/p,
 min_p). Everything is built from host lists and runs on the device without reading anything back.
+The penalties' token histories stay on the device between rounds (PenaltyHistory, a row per engine
+slot): a round sends only the tokens committed since the last, not the whole prompt and output.
 """
 
 from __future__ import annotations
@@ -43,24 +45,20 @@ class LogitRules:
     grammar: Tensor | None = None
 
     @classmethod
-    def build(cls, seqs: Sequence[Seq], vocab_size: int, device, grammar: Tensor | None = None) -> "LogitRules | None":
+    def build(cls, seqs: Sequence[Seq], vocab_size: int, device, grammar: Tensor | None = None,
+              history: "PenaltyHistory | None" = None) -> "LogitRules | None":
         """The rules of `seqs` (one lane each), or None when no lane has one. grammar: the lanes'
-        bitmasks, already on the device (speculative/grammar.py)."""
+        bitmasks, already on the device (speculative/grammar.py); history: the engine's PenaltyHistory
+        (None: the penalized lanes' histories are built from their whole prompts and outputs)."""
         params = [s.params for s in seqs]
         if not any(p.has_rules for p in params):
             return None
         L, V = len(seqs), vocab_size
         fields = {"grammar": grammar}
         if any(p.penalized for p in params):
-            lanes = [i for i, p in enumerate(params) if p.penalized]
-            out_idx = [i * V + t for i in lanes for t in seqs[i].output_ids]
-            seen_idx = out_idx + [i * V + t for i in lanes if params[i].repetition_penalty != 1
-                                  for t in seqs[i].prompt_ids]
-            counts = torch.zeros(L * V, device=device)
-            counts.index_add_(0, to_device(out_idx, device), torch.ones(len(out_idx), device=device))
-            seen = torch.zeros(L * V, dtype=torch.bool, device=device)
-            seen[to_device(seen_idx, device)] = True
-            fields |= {"counts": counts.view(L, V), "seen": seen.view(L, V),
+            fresh = history is None
+            counts, seen = (PenaltyHistory(L, V, device) if fresh else history).rows(seqs, range(L) if fresh else None)
+            fields |= {"counts": counts, "seen": seen,
                        "penalties": to_device([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
                                                for p in params], device, torch.float32)}
         if any(p.logit_bias for p in params):
@@ -104,6 +102,62 @@ class LogitRules:
         if self.grammar is not None:
             x = x.masked_fill(~unpack_bitmask(self.grammar, V), float("-inf"))
         return x
+
+
+class PenaltyHistory:
+    """The token histories the penalties read, on the device, a row per engine slot (and a last row of
+    zeros for lanes without penalties): counts [slots + 1, V] fp32 of each penalized request's output
+    tokens, seen [slots + 1, V] bool of its output's tokens and, under a repetition penalty, its
+    prompt's. A row follows the request that holds its slot: a request new to the row (admitted,
+    resumed after preemption, or its output rolled back) starts it again from its prompt and whole
+    output; otherwise a round adds only the output tokens committed since the last. Host work per
+    round is therefore O(new tokens), not O(context), and the device work a few launches for all
+    lanes. The rows are allocated at the first penalized request (5 bytes x V a slot)."""
+
+    def __init__(self, slots: int, vocab_size: int, device):
+        self.slots, self.vocab_size, self.device = slots, vocab_size, torch.device(device)
+        self.counts: Tensor | None = None
+        self.seen: Tensor | None = None
+        self.owner: list[Seq | None] = [None] * slots  # the request whose history a row holds
+        self.outputs = [0] * slots  # how many of its output tokens the row holds
+
+    def rows(self, seqs: Sequence[Seq], rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+        """(counts [L, V], seen [L, V]) of the lanes `seqs` as their histories stand: rows of the
+        penalized lanes, zeros for the others. rows: the row each lane uses (default: its slot)."""
+        V = self.vocab_size
+        if self.counts is None:
+            self.counts = torch.zeros(self.slots + 1, V, device=self.device)
+            self.seen = torch.zeros(self.slots + 1, V, dtype=torch.bool, device=self.device)
+        lane_rows, restart, prompt_idx, output_idx = [], [], [], []
+        for i, s in enumerate(seqs):
+            r = (s.slot if rows is None else rows[i])
+            if not s.params.penalized:
+                lane_rows.append(self.slots)
+                continue
+            if not 0 <= r < self.slots:
+                raise ValueError(f"a penalized lane's history row {r} is not one of the {self.slots} slots")
+            lane_rows.append(r)
+            if self.owner[r] is not s or self.outputs[r] > len(s.output_ids):
+                self.owner[r], self.outputs[r] = s, 0
+                restart.append(r)
+                if s.params.repetition_penalty != 1:
+                    prompt_idx += [r * V + t for t in s.prompt_ids]
+            output_idx += [r * V + t for t in s.output_ids[self.outputs[r]:]]
+            self.outputs[r] = len(s.output_ids)
+        counts, seen = self.counts.view(-1), self.seen.view(-1)
+        if restart or prompt_idx or output_idx:
+            flat = to_device(restart + prompt_idx + output_idx, self.device)  # one transfer
+            restart_t, prompt_t, output_t = flat.split([len(restart), len(prompt_idx), len(output_idx)])
+            if restart:
+                self.counts.index_fill_(0, restart_t, 0.0)
+                self.seen.index_fill_(0, restart_t, False)
+            if prompt_idx:
+                seen[prompt_t] = True
+            if output_idx:
+                counts.index_add_(0, output_t, torch.ones(len(output_idx), device=self.device))
+                seen[output_t] = True
+        index = to_device(lane_rows, self.device)
+        return self.counts[index], self.seen[index]
 
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:

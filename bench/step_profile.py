@@ -3,7 +3,7 @@ the device's busy time per step, and the host-side torch ops and device kernels 
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
     python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
-        [--slowest 5] [--gc-freeze] [--split] [--ttft N] [--shape 9b]
+        [--slowest 5] [--gc-freeze] [--split] [--ttft N] [--shape 9b] [--tree-budget N]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 
 --shape 9b / 27b: a target-only engine of that shape (random bf16 weights) instead of the demo pair, for
@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--slowest", type=int, default=5, help="list the N slowest steps with what they did")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up, as a server would")
     ap.add_argument("--round-graphs", action="store_true", help="greedy rounds as one CUDA graph (EngineConfig.round_graphs)")
+    ap.add_argument("--tree-budget", type=int, default=0,
+                    help="rounds verify draft trees of N nodes (EngineConfig.tree_budget; 0: chains)")
     ap.add_argument("--shape", default="demo", help="demo (the bundled pair), or 9b / 27b / toy: a target-only "
                     "engine of random bf16 weights of that shape")
     ap.add_argument("--ttft", type=int, default=0, metavar="N",
@@ -206,6 +208,8 @@ def main() -> None:
     slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}
     if args.round_graphs:  # (an older tree without the option takes no such keyword)
         slots["round_graphs"] = True
+    if args.tree_budget:
+        slots["tree_budget"] = args.tree_budget
     t0 = time.perf_counter()
     if args.shape == "demo":
         engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft",

@@ -108,9 +108,9 @@ class PenaltyHistory:
     """The token histories the penalties read, on the device, a row per engine slot (and a last row of
     zeros for lanes without penalties): counts [slots + 1, V] fp32 of each penalized request's output
     tokens, seen [slots + 1, V] bool of its output's tokens and, under a repetition penalty, its
-    prompt's. A row follows the request that holds its slot: a request new to the row (admitted,
-    resumed after preemption, or its output rolled back) starts it again from its prompt and whole
-    output; otherwise a round adds only the output tokens committed since the last. Host work per
+    prompt's. A row follows the request that holds its slot: a request new to the row (admitted, or
+    resumed in another slot after a preemption) or whose output shrank starts it again from its prompt
+    and whole output; otherwise a round adds only the output tokens committed since the last. Host work per
     round is therefore O(new tokens), not O(context), and the device work a few launches for all
     lanes. The rows are allocated at the first penalized request (5 bytes x V a slot)."""
 
@@ -130,7 +130,7 @@ class PenaltyHistory:
             self.seen = torch.zeros(self.slots + 1, V, dtype=torch.bool, device=self.device)
         lane_rows, restart, prompt_idx, output_idx = [], [], [], []
         for i, s in enumerate(seqs):
-            r = (s.slot if rows is None else rows[i])
+            r = s.slot if rows is None else rows[i]
             if not s.params.penalized:
                 lane_rows.append(self.slots)
                 continue
@@ -145,7 +145,7 @@ class PenaltyHistory:
             output_idx += [r * V + t for t in s.output_ids[self.outputs[r]:]]
             self.outputs[r] = len(s.output_ids)
         counts, seen = self.counts.view(-1), self.seen.view(-1)
-        if restart or prompt_idx or output_idx:
+        if restart or output_idx:  # (prompt tokens come with a restart)
             flat = to_device(restart + prompt_idx + output_idx, self.device)  # one transfer
             restart_t, prompt_t, output_t = flat.split([len(restart), len(prompt_idx), len(output_idx)])
             if restart:

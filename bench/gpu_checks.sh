@@ -7,7 +7,7 @@
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
-# longctxfast graphlaunch roundgraphs treestep randomdraft (tp: the 27B shape's round at TP 1 and
+# longctxfast graphlaunch roundgraphs treestep treegraphs randomdraft (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -105,8 +105,17 @@ for step in "$@"; do
         randomdraft) run randomdraft 300 python3 -m deltaflash bench e2e --workload scripted --corrupt 1.0 --prompts 16 \
                          --concurrency 1 16 --no-profile --speculation adaptive --out "$OUT/randomdraft" --quiet ;;  # issue 16: <= 5% behind target-only
         treestep) for budget in 0 16; do  # a demo-pair step at one lane, chain vs tree: where the tree round's time goes
-                      run treestep 150 python3 bench/step_profile.py --lanes 1 --steps 60 --split --tree-budget $budget
+                      for flag in "" --round-graphs; do
+                          run treestep 150 python3 bench/step_profile.py --lanes 1 --steps 60 --split --tree-budget $budget $flag
+                      done
                   done ;;
+        treegraphs) for budget in 0 16; do  # issue 17 side by side: chain vs tree, greedy round graphs on and off
+                        for flag in "" --round-graphs; do
+                            run treegraphs 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 \
+                                --concurrency 1 4 16 --tree-budget $budget $flag --no-profile \
+                                --out "$OUT/treegraphs$budget${flag:+-rg}" --quiet
+                        done
+                    done ;;
         treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees
                       run treedemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
                           --tree-budget $budget --no-profile --out "$OUT/tree$budget" --quiet

@@ -330,3 +330,27 @@ def test_greedy_round_graphs_are_lossless_and_replace_the_round_s_launches(tmp_p
     got = engine.generate(prompts, params)[0]
     assert [c.token_ids for c in got] == expected and replays
     assert [c.accepted_lengths for c in got] == [c.accepted_lengths for c in ordinary]
+
+
+def test_greedy_tree_round_graphs_are_lossless_and_replace_the_round_s_launches(tmp_path, monkeypatch):
+    """round_graphs with trees on CUDA: every greedy tree round replays one captured graph (the drafter's
+    block and trees, verify, acceptance, the commit with its K/V moves, draft context) with no commit after
+    the step's read; the tokens are target-only's and the accepted lengths those of the ordinary tree rounds."""
+    model, drafter = cuda_pair(tmp_path, seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    config = dict(max_slots=4, max_model_len=256, speculation="fixed", tree_budget=8, tree_top_k=3)
+    expected = [c.token_ids for c in Engine(model, config=EngineConfig(max_slots=4, max_model_len=256)).generate(
+        prompts, params)[0]]
+    ordinary = Engine(model, None, drafter, EngineConfig(**config)).generate(prompts, params)[0]
+    engine = Engine(model, None, drafter, EngineConfig(**config, round_graphs=True))
+    runner = engine.runner
+    assert set(runner.round_graphs) == {("tree", 8)}
+    replays, graphs = [], runner.round_graphs[("tree", 8)]
+    real = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda *a: (replays.append(1), real(*a))[1])
+    monkeypatch.setattr(runner, "_commit", lambda *a, **k: pytest.fail("a round committed after its read"))
+    got = engine.generate(prompts, params)[0]
+    assert [c.token_ids for c in got] == expected and replays
+    assert [c.accepted_lengths for c in got] == [c.accepted_lengths for c in ordinary]

@@ -1,7 +1,7 @@
-"""The prefill conv, SwiGLU, RoPE, residual-norm and one-launch state commit kernels compile for the H200 (sm_90) on a machine without a
-GPU. The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them as Python and accepts code the
-compiler rejects (a variable redefined with another shape inside an `if`): this catches that before a GPU run
-does."""
+"""The prefill conv, SwiGLU, RoPE, residual-norm, one-launch state commit and tree K/V move kernels compile for the
+H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them
+as Python and accepts code the compiler rejects (a variable redefined with another shape inside an `if`): this
+catches that before a GPU run does."""
 
 import os
 import subprocess
@@ -15,6 +15,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
+    from deltaflash.ops.attention.tree_rows import move_tree_rows_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
     from deltaflash.ops.gdn.commit import state_commit_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
@@ -56,6 +57,14 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(state_commit_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
         assert ".entry state_commit_kernel" in kernel.asm["ptx"] and "fma" not in kernel.asm["ptx"]  # replay update
+    for dtype, consts in (("bf16", dict(PAGE=16, D=1024, BD=1024)), ("fp32", dict(PAGE=4, D=10, BD=16))):  # tree K/V moves
+        pointers = dict(key_cache=f"*{dtype}", value_cache=f"*{dtype}", block_tables="*i32", slot_ids="*i64",
+                        start="*i64", nodes="*i64", rows="*i64")
+        signature = {n: pointers.get(n, "constexpr" if n in consts else "i64" if n.startswith("stride") else "i32")
+                     for n in move_tree_rows_kernel.arg_names}
+        kernel = triton.compile(ASTSource(move_tree_rows_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4))
+        assert ".entry move_tree_rows_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

@@ -217,3 +217,65 @@ def test_the_dense_routes_gather_is_bounded_for_the_memory_plan():
 
     assert gather_bytes(262144, 4, 256, torch.bfloat16) == 2 * MAX_DENSE_KEYS * 4 * 256 * 2  # 9B shape: 128 MiB
     assert gather_bytes(1000, 2, 64, torch.float32) == 2 * 1000 * 2 * 64 * 4  # never more than the context
+
+
+# ---- a tree commit's K/V moves (tree_rows.py against naive.move_tree_rows_ref and a by-hand walk) ----------
+def tree_commit_case(page: int, T: int, seed: int):
+    """Caches of 3 layers in pages of `page` rows, shuffled over 4 slots' tables (+ the padding row, all
+    sink), lanes at odd starts with random root paths of T-node trees (node ids grow by 1-3 a depth; the
+    ids past a path are 0, as acceptance pads them), accepted counts 1..len, a chain lane and a padding lane."""
+    g = torch.Generator().manual_seed(seed)
+    S, max_pages = 4, -(-(11 + T) // page)  # room for the latest start's T rows
+    P = S * max_pages
+    shape = (3, P + 1, page, 2, 5)
+    key_cache, value_cache = (torch.randn(shape, generator=g).to(DEVICE) for _ in range(2))
+    tables = torch.full((S + 1, max_pages), P, dtype=torch.int32)
+    tables[:S] = torch.randperm(P, generator=g).view(S, max_pages).int()
+    slot_ids, start, nodes, rows = [2, 0, 3, -1, 1], [3, 11, 0, 0, 7], [], []
+    for lane in range(len(slot_ids)):
+        path = [0]
+        while lane != 2 and path[-1] + 1 < T:  # lane 2: a chain (nothing moves)
+            step = path[-1] + 1 + int(torch.randint(0, 3, (), generator=g))
+            if step >= T:
+                break
+            path.append(step)
+        if lane == 2:
+            path = list(range(T))
+        nodes.append(path + [0] * (T - len(path)))
+        rows.append(len(path) if lane == 0 else 1 + int(torch.randint(0, len(path), (), generator=g)))
+    to = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
+    return key_cache, value_cache, tables.to(DEVICE), to(slot_ids), to(start), to(nodes), to(rows)
+
+
+def moved_by_hand(key_cache, value_cache, tables, slot_ids, start, nodes, rows):
+    """The expected caches: every accepted node's row (gathered first) at start + its place in the path."""
+    page, out = key_cache.shape[2], (key_cache.clone(), value_cache.clone())
+    at = lambda slot, pos: (int(tables[slot, pos // page]), pos % page)  # noqa: E731
+    for slot, first, path, n in zip(slot_ids.tolist(), start.tolist(), nodes.tolist(), rows.tolist()):
+        if slot < 0:
+            continue
+        for cache, moved in zip((key_cache, value_cache), out):
+            rows_of_path = [cache[:, p, r].clone() for p, r in (at(slot, first + node) for node in path[:n])]
+            for t, row in enumerate(rows_of_path):
+                moved[:, at(slot, first + t)[0], at(slot, first + t)[1]] = row
+    return out
+
+
+@pytest.mark.parametrize("page,T", [(1, 6), (3, 9), (4, 16), (16, 12)])
+def test_tree_commit_moves_match_the_reference_and_the_walk(page, T):
+    from deltaflash.ops.attention.naive import move_tree_rows_ref
+    from deltaflash.ops.attention.tree_rows import move_tree_rows
+
+    for seed in range(3):
+        case = tree_commit_case(page, T, seed)
+        expected = moved_by_hand(*case)
+        assert not torch.equal(expected[0], case[0])  # some row moves
+        for move in (move_tree_rows_ref, move_tree_rows):
+            key_cache, value_cache = case[0].clone(), case[1].clone()
+            sink = key_cache[:, -1].clone(), value_cache[:, -1].clone()
+            move(key_cache, value_cache, *case[2:])
+            # the padding lane's and unmoved rows may be written back to the sink; every owned row is exact
+            assert torch.equal(key_cache[:, :-1], expected[0][:, :-1]), move.__name__
+            assert torch.equal(value_cache[:, :-1], expected[1][:, :-1]), move.__name__
+            if move is move_tree_rows:  # the kernel touches nothing it does not move
+                assert torch.equal(key_cache[:, -1], sink[0]) and torch.equal(value_cache[:, -1], sink[1])

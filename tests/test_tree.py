@@ -307,9 +307,24 @@ def test_tree_options_are_checked(pairs):
         engine_for(target, draft, tree_budget=65)
 
 
-def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch):
+class EagerGraph:
+    """Stands in for a LaneGraphs on the CPU: runs the function its graphs would have captured."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def run(self, *inputs):
+        self.calls += 1
+        return self.fn(*inputs)
+
+
+@pytest.mark.parametrize("route", ["reference", "fused", "round graph"])
+def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch, route):
     """After rounds that accepted paths off the top-1 chain, every committed position's K/V (moved there
-    from its node's row) and the GDN state equal those of target-only decoding of the same tokens."""
+    from its node's row) and the GDN state equal those of target-only decoding of the same tokens. The
+    reference kernels commit after the step's read, from the paths read; the fused kernels on the device
+    before it (commit_unread_tree); a greedy tree round's graph (round_graphs: the function it captures,
+    run eagerly in its place) inside the round - and then no commit happens anywhere else."""
     target, _ = pairs[("dense_gqa", "dflash")]
     prompt = prompts(96, [7], seed=12)[0]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -317,8 +332,24 @@ def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch):
     expected = plain.generate([prompt], params)[0][0].token_ids
     off_chain = record_off_chain(monkeypatch)
     source = ScriptedSource({tuple(prompt): expected}, BLOCK, 96, corrupt=0.4, seed=2)
-    tree = engine_for(target, draft_source=source, tree_budget=16, max_model_len=64, max_slots=1)
-    assert tree.generate([prompt], params)[0][0].token_ids == expected and sum(off_chain) > 0
+    kernels = "reference" if route == "reference" else "triton"
+    tree = engine_for(target, draft_source=source, tree_budget=16, max_model_len=64, max_slots=1, kernels=kernels)
+    runner, commits = tree.runner, []
+    real_unread, real_late = runner_module.commit_unread_tree, runner._commit
+    monkeypatch.setattr(runner_module, "commit_unread_tree", lambda *a: (commits.append("unread"), real_unread(*a)))
+    monkeypatch.setattr(runner, "_commit", lambda *a: (commits.append("late"), real_late(*a)))
+    if route == "round graph":  # the scripted trees stand in for the drafter's block (a host lookup: not capturable)
+        graph = EagerGraph(runner._greedy_tree_round)
+        monkeypatch.setattr(runner, "round_graphs", {("tree", 16): graph})
+        seq_of = lambda slot_ids: [s for i in slot_ids.tolist() for s in tree.scheduler.running.values()  # noqa: E731
+                                   if s.slot == i]
+        monkeypatch.setattr(source, "greedy_tree", lambda slot_ids, anchors, start: source.draft_tree(
+            seq_of(slot_ids), slot_ids, anchors, start, 16, tree.config.tree_top_k), raising=False)
+    done = tree.generate([prompt], params)[0][0]
+    assert done.token_ids == expected and sum(off_chain) > 0
+    rounds = len(done.accepted_lengths)  # the tree rounds (a width-1 round commits in its decode)
+    want = {"reference": ["late"] * rounds, "fused": ["unread"] * rounds, "round graph": []}[route]
+    assert rounds >= 3 and commits == want and (route != "round graph" or graph.calls == rounds)
     n = min(plain.pool.lengths[0], tree.pool.lengths[0])
     assert n >= len(prompt) + 20
     for a, b in zip(tree.pool.kv_of(0, n), plain.pool.kv_of(0, n)):
@@ -350,7 +381,7 @@ def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, varian
     start = lane([s.position for s in seqs])
     with torch.inference_mode():
         eager = source._build(*source._block(seqs, slot_ids, anchors, start), slot_ids, anchors, 8, 3)  # no graph
-        graphed = source._as_tree(source._tree_nodes(slot_ids, anchors, start))
+        graphed = source.greedy_tree(slot_ids, anchors, start)  # what the tree graph and tree round graphs hold
     for name in ("tokens", "parents", "depth", "rank", "order", "valid"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
     assert (graphed.max_depth, graphed.top_k) == (eager.max_depth, eager.top_k)

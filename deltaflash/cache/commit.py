@@ -3,10 +3,14 @@
 Everything is validated on the host before the first write (lanes, slots, committed lengths, accepted
 counts, accepted node paths, the shapes of the verify outputs); a bad plan raises CommitRejectedError
 and leaves the pool unchanged. The plan's host mirrors were read at the round's one sync, so
-validation asks nothing of the device.
+validation asks nothing of the device. The fused kernels commit a round before that read
+(`commit_unread_chains`, `commit_unread_tree`): each lane's most rows stand for its count in the
+checks, and the accepted counts and paths are acceptance's own, bounded and rooted by construction.
 """
 
 from __future__ import annotations
+
+from torch import Tensor
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.core.batch import CommitPlan, VerifyOutput, to_device
@@ -16,6 +20,12 @@ from deltaflash.ops.kernels import Kernels
 
 def validate_plan(pool: SlotPool, plan: CommitPlan, out: VerifyOutput) -> None:
     """Raise CommitRejectedError unless every lane of `plan` can be committed from `out` into `pool`."""
+    _check_shapes(pool, plan, out)
+    _check_lanes(pool, plan, out.replay_log.shape[2])
+
+
+def _check_shapes(pool: SlotPool, plan: CommitPlan, out: VerifyOutput) -> None:
+    """validate_plan's checks of the verify outputs' and the plan's device tensors' shapes."""
     L = len(plan.slot_ids_host)
     G, L_out, W = out.replay_log.shape[:3]
     _, G_pool, nv, dk, dv = pool.recurrent_state.shape
@@ -30,7 +40,6 @@ def validate_plan(pool: SlotPool, plan: CommitPlan, out: VerifyOutput) -> None:
     for name, (got, want) in expect.items():
         if got != want:
             raise CommitRejectedError(f"{name} is {list(got)}, expected {list(want)} for {L} lanes of width {W}")
-    _check_lanes(pool, plan, W)
 
 
 def _check_lanes(pool: SlotPool, plan: CommitPlan, width: int) -> None:
@@ -100,8 +109,10 @@ def commit(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels
     """Replay the accepted rows into the recurrent state, rebuild conv history from the windows,
     move accepted tree rows' K/V to their positions and set the committed lengths."""
     validate_plan(pool, plan, out)
-    kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
-    _compact_tree_rows(pool, plan)
+    if plan.chain_host:
+        kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
+    else:
+        apply_tree_plan(pool, plan, out, kernels, to_device(plan.start_host, pool.key_cache.device))
     record_lengths(pool, plan.slot_ids_host, plan.start_host, plan.accepted_len_host)
 
 
@@ -118,6 +129,30 @@ def commit_unread_chains(pool: SlotPool, out: VerifyOutput, kernels: Kernels, sl
     kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
 
 
+def commit_unread_tree(pool: SlotPool, out: VerifyOutput, kernels: Kernels, slot_ids, start, path, rows, slots_host,
+                       starts_host, most_host, width: int) -> None:
+    """A tree round's commit launched before the host has read which nodes each lane accepted (the fused
+    kernels: the commit reads its plan on the device): lane l commits the first rows[l] (device [L],
+    1..most_host[l]) nodes of path[l] (device [L, <= width], node ids in token order, the root first - a
+    root path of the verified tree, as acceptance builds it) from start[l] (device; starts_host[l] on the
+    host). Validated first with each lane's most rows standing for its count (slots, committed lengths,
+    room in the slot; the outputs' shapes); the caller records the lengths once the read gives the counts."""
+    plan = CommitPlan.tree(slot_ids, path, rows, width, slot_ids_host=slots_host, accepted_len_host=most_host,
+                           start_host=starts_host)
+    _check_shapes(pool, plan, out)
+    check_chains(pool, slots_host, most_host, starts_host, width)
+    apply_tree_plan(pool, plan, out, kernels, start)
+
+
+def apply_tree_plan(pool: SlotPool, plan: CommitPlan, out: VerifyOutput, kernels: Kernels, start: Tensor) -> None:
+    """The writes of a validated tree commit: replay and conv history along each lane's accepted path,
+    then its nodes' K/V moved to their positions (start [L] device: the lanes' first verified position).
+    Device work only (what a greedy tree round's graph captures; the fused commit reads the device plan)."""
+    kernels.commit_state(pool.recurrent_state, out.replay_log, pool.conv_history, out.conv_windows, plan)
+    kernels.move_tree_rows(pool.key_cache, pool.value_cache, pool.tables.tables, plan.slot_ids, start,
+                           plan.accepted_nodes, plan.accepted_len)
+
+
 def record_lengths(pool: SlotPool, slots, starts, counts) -> None:
     """The committed lengths after a commit (host bookkeeping, its last step): slot i holds starts[i] +
     counts[i] positions."""
@@ -125,23 +160,3 @@ def record_lengths(pool: SlotPool, slots, starts, counts) -> None:
     for slot, start, n in zip(slots, starts, counts):
         if slot >= 0:
             lengths[slot] = start + n
-
-
-def _compact_tree_rows(pool: SlotPool, plan: CommitPlan) -> None:
-    """Verify stored row n at start + n; the accepted path's t-th node belongs at start + t.
-    A chain's path is 0, 1, 2, ... so nothing moves. Sources are read before any row is written."""
-    if plan.chain_host:
-        return
-    moves = [(slot, start + node, start + t)
-             for slot, start, n, path in zip(plan.slot_ids_host, plan.start_host, plan.accepted_len_host,
-                                             plan.accepted_nodes_host)
-             if slot >= 0 for t, node in enumerate(path[:n]) if node != t]
-    if not moves:
-        return
-    device = pool.key_cache.device
-    slot, src, dst = (to_device(column, device) for column in zip(*moves))
-    src_rows = pool.tables.rows(slot, src[:, None])[:, 0]
-    dst_rows = pool.tables.rows(slot, dst[:, None])[:, 0]
-    for cache in (pool.key_cache, pool.value_cache):
-        rows = cache.flatten(1, 2)  # [A, (P+1) * page_size, nkv, hd], a view
-        rows[:, dst_rows] = rows[:, src_rows].clone()

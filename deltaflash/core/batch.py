@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 
 def to_device(values: Sequence | torch.Tensor, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -257,6 +258,18 @@ class CommitPlan:
         return cls(slot_ids=slot_ids, accepted_nodes=torch.arange(width, device=device).expand(L, width),
                    accepted_len=accepted_len, slot_ids_host=tuple(slot_ids_host),
                    accepted_len_host=tuple(accepted_len_host), start_host=tuple(start_host), chain_host=True)
+
+    @classmethod
+    def tree(cls, slot_ids: torch.Tensor, path: torch.Tensor, accepted_len: torch.Tensor, width: int, *,
+             slot_ids_host: Sequence[int] = (), accepted_len_host: Sequence[int] = (), start_host: Sequence[int] = (),
+             accepted_nodes_host: tuple[tuple[int, ...], ...] | None = None,
+             parents_host: tuple[tuple[int, ...], ...] | None = None) -> "CommitPlan":
+        """Trees: lane l commits the first accepted_len[l] nodes of path[l] (device [L, <= width], node ids in
+        token order, the root first; padded to width columns). Host mirrors as far as the caller has them."""
+        return cls(slot_ids=slot_ids, accepted_nodes=F.pad(path, (0, width - path.shape[1])),
+                   accepted_len=accepted_len, slot_ids_host=tuple(slot_ids_host),
+                   accepted_len_host=tuple(accepted_len_host), start_host=tuple(start_host),
+                   accepted_nodes_host=accepted_nodes_host, parents_host=parents_host)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
                         "opt-in: its speed is not measured yet)")
     p.add_argument("--round-graphs", action="store_true",
-                   help="greedy chain rounds replay one CUDA graph each (draft, verify, accept, commit) instead of "
-                        "three graphs and ~25 launches (opt-in: not measured on a GPU yet)")
+                   help="greedy rounds (chains, or trees with --tree-budget) replay one CUDA graph each (draft, "
+                        "verify, accept, commit) instead of three graphs and ~25-70 launches (opt-in: not measured "
+                        "on a GPU yet)")
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")

@@ -62,11 +62,12 @@ class EngineConfig:
     prefill_graphs: also replay prefill steps from graphs of fixed chunk shapes (lanes x a multiple of
         64 rows, engine/runner.py: prefill_shapes); steps that fit none, or would pad more than about
         twice their rows, run eagerly. None = with cuda_graphs unless DELTAFLASH_NO_PREFILL_GRAPHS=1.
-    round_graphs: a greedy chain round (every lane greedy, no logit rules, no logprobs, fused kernels, a
-        DFlash drafter, one rank) replays one CUDA graph per width - the drafter's block, the verify
-        forward, acceptance, the state commit and the drafter's context append - instead of three graphs
-        and ~25 eager launches; the host reads the counts and tokens as before. Opt-in until measured on
-        the GPU (engine/runner.py: _greedy_round).
+    round_graphs: a greedy round (every lane greedy, no logit rules, no logprobs, fused kernels, a
+        DFlash drafter, one rank) replays one CUDA graph per chain width, or per tree budget - the
+        drafter's block (and trees), the verify forward, acceptance, the state commit (and a tree's K/V
+        moves) and the drafter's context append - instead of three graphs and ~25 eager launches (a
+        tree round: ~70); the host reads the counts and tokens as before. Opt-in until measured on the
+        GPU (engine/runner.py: _greedy_round, _greedy_tree_round).
     sync_phase_timing: sync the device between round phases (profiling: exact phase times, slower).
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltaflash.cache.commit import check_chains, commit, commit_unread_chains, record_lengths
+from deltaflash.cache.commit import (apply_tree_plan, check_chains, commit, commit_unread_chains, commit_unread_tree,
+                                     record_lengths)
 from deltaflash.cache.draft_context import DraftContextCache
 from deltaflash.cache.pages import pages_for
 from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
@@ -170,7 +171,8 @@ class ModelRunner:
                 inputs = ((N,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((N,), torch.long, -1), \
                     ((N,), torch.long, 0)
                 self.verify_graphs[("tree", N)] = self.graphs.add(f"verify tree of {N}", self._verify_rows, inputs)
-        # greedy chain rounds of each width > 1: drafting, verify, acceptance, commit and context append, one graph
+        # greedy rounds - chains of each width > 1, or the engine's trees - as one graph each: drafting, verify,
+        # acceptance, commit and context append (keys: the width, ("tree", N))
         self.round_graphs = {}
         if self.graphs is not None and config.round_graphs and self.kernels.fused and config.tensor_parallel_size == 1 \
                 and hasattr(draft_source, "greedy_drafts"):
@@ -178,6 +180,10 @@ class ModelRunner:
             for w in self.widths[1:]:
                 self.round_graphs[w] = self.graphs.add(f"greedy round W={w}", functools.partial(self._greedy_round,
                                                                                                   width=w), lane)
+            if config.tree_budget:  # (+ each lane's budget: a request may ask for a smaller tree)
+                N, budget = config.tree_budget, ((), torch.long, 0)
+                self.round_graphs[("tree", N)] = self.graphs.add(f"greedy tree round of {N}", self._greedy_tree_round,
+                                                                 lane + (budget,))
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
@@ -342,7 +348,9 @@ class ModelRunner:
             ts = time.perf_counter()
             overlap()
             overlap_s = time.perf_counter() - ts
-        extras = (round_.tree.parents,) if round_ is not None and round_.tree is not None else ()
+        # a tree round committed after the read validates its paths against the trees' parents, read with it
+        late_tree = round_ is not None and round_.tree is not None and not round_.committed
+        extras = (round_.tree.parents,) if late_tree else ()
         (first_out, round_out), parents = read_emitted([first, round_.accepted if round_ else None], extras)  # the one sync
         # only a read waits for the device to pass the step's begin event (a prefill chunk that does not
         # finish its prompt has nothing to read: its wait is not measured)
@@ -437,7 +445,7 @@ class ModelRunner:
         slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
         # drafts a lane may accept: its width less one (a grammar lane speculates only in chains)
         limits = [0 if plan.tree_budget and s.matcher is not None else w - 1 for s, w in zip(seqs, plan.widths)]
-        graphs = self._greedy_round_graphs(seqs, W)
+        graphs = self._greedy_round_graphs(seqs, ("tree", W) if plan.tree_budget else W)
         if W > 1:  # (a width-1 round checks in decode) a stale lane is refused before the verify writes its rows;
             # a round graph commits before the read too: room for each lane's most rows (commit_unread_chains)
             most = [n + 1 for n in limits] if graphs is not None else (1,) * len(slots)
@@ -448,6 +456,12 @@ class ModelRunner:
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
         if plan.tree_budget and W > 1:
+            out = graphs.run(anchors, slot_ids, start, n_draft, budget) if graphs is not None else None
+            if out is not None:  # a greedy tree round's graph: committed inside it
+                marks = [self._now()] * 2
+                counts, tokens, path = out
+                return _Round(slot_ids, start, None, Accepted(counts=counts, tokens=tokens, path=path),
+                              committed=True), marks
             tree = self.source.draft_tree(seqs, slot_ids, anchors, start, W, self.config.tree_top_k).cut(budget)
             marks = [self._now()]
             out = self.verify(tree.tokens, slot_ids, start, max(starts) + W, tree)
@@ -456,7 +470,13 @@ class ModelRunner:
             raw = self._whole_rows(out.logits)
             logits = raw if rules is None else rules.apply(raw, None, tree)
             accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw)
-            return _Round(slot_ids, start, out, accepted, tree), marks
+            if not self.kernels.fused:  # the reference commit walks the lanes' paths on the host: after the read
+                return _Round(slot_ids, start, out, accepted, tree), marks
+            rows = accepted.counts + 1  # as a chain round's: committed on the device, before the read
+            commit_unread_tree(self.pool, out, self.kernels, slot_ids, start, accepted.path, rows, slots, starts,
+                               [n + 1 for n in limits], W)
+            self._append_round_rows(slot_ids, start, path_rows(out.taps, accepted.path), rows)
+            return _Round(slot_ids, start, out, accepted, tree, committed=True), marks
         if graphs is not None:
             out = graphs.run(anchors, slot_ids, start, n_draft)
             if out is not None:
@@ -491,10 +511,10 @@ class ModelRunner:
         self._append_round_rows(slot_ids, start, out.taps, rows)
         return _Round(slot_ids, start, out, accepted, committed=True), marks
 
-    def _greedy_round_graphs(self, seqs, width: int):
-        """The greedy round graphs of `width` when every lane can take them (greedy, no logit rules, no
-        grammar, no logprobs), else None."""
-        graphs = self.round_graphs.get(width)
+    def _greedy_round_graphs(self, seqs, key):
+        """The greedy round graphs of `key` (a chain width, or ("tree", N)) when every lane can take them
+        (greedy, no logit rules, no grammar, no logprobs), else None."""
+        graphs = self.round_graphs.get(key)
         if graphs is None or top_logprobs(seqs) is not None:
             return None
         return None if any(not s.params.greedy or s.params.has_rules or s.matcher is not None for s in seqs) else graphs
@@ -526,16 +546,11 @@ class ModelRunner:
         if path is None:
             commit_plan = CommitPlan.chain(round_.slot_ids, n_rows, W, **host)
         else:
-            nodes = torch.zeros(L, W, dtype=torch.long, device=self.device)
-            nodes[:, :path.shape[1]] = path
-            commit_plan = CommitPlan(slot_ids=round_.slot_ids, accepted_nodes=nodes, accepted_len=n_rows,
-                                     accepted_nodes_host=paths,
-                                     parents_host=tuple(tuple(parents[i * W:(i + 1) * W]) for i in range(L)), **host)
+            commit_plan = CommitPlan.tree(round_.slot_ids, path, n_rows, W, accepted_nodes_host=paths,
+                                          parents_host=tuple(tuple(parents[i * W:(i + 1) * W]) for i in range(L)),
+                                          **host)
         commit(self.pool, commit_plan, round_.out, self.kernels)
-        taps = round_.out.taps
-        if taps is not None and path is not None:  # the accepted path's rows, in token order
-            taps = taps[torch.arange(L, device=self.device)[:, None], path]
-        self._append_round_rows(round_.slot_ids, round_.start, taps, n_rows)
+        self._append_round_rows(round_.slot_ids, round_.start, path_rows(round_.out.taps, path), n_rows)
 
     def _append_round_rows(self, slot_ids: Tensor, start: Tensor, taps: Tensor | None, n_rows: Tensor,
                            graphs: bool = True) -> None:
@@ -598,6 +613,22 @@ class ModelRunner:
         self._append_round_rows(slot_ids, start, taps, rows, graphs=False)
         return accepted.counts, accepted.tokens
 
+    def _greedy_tree_round(self, anchors: Tensor, slot_ids: Tensor, start: Tensor, n_draft: Tensor, budget: Tensor):
+        """What a greedy tree round's graph captures (the _greedy_round of trees): the drafter's block and
+        the engine's trees built from it (cut to each lane's budget[l] nodes), their verify forward, greedy
+        acceptance of at most n_draft[l] nodes, the commit of each lane's accepted path (replay, conv
+        history, K/V moved to their positions) and its draft context. Returns (accepted counts [L], tokens
+        [L, D+1], accepted path [L, D+1]). The host checked the lanes for their most rows first."""
+        tree = self.source.greedy_tree(slot_ids, anchors, start).cut(budget)
+        logits, taps, windows, log = self._verify_rows(tree.tokens, slot_ids, start, tree.parents, tree.depth)
+        accepted = accept_tree(logits, tree, n_draft, ALL_GREEDY)
+        rows = accepted.counts + 1
+        out = VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1), replay_log=log.movedim(0, 1))
+        apply_tree_plan(self.pool, CommitPlan.tree(slot_ids, accepted.path, rows, tree.budget), out, self.kernels,
+                        start)
+        self._append_round_rows(slot_ids, start, path_rows(taps, accepted.path), rows, graphs=False)
+        return accepted.counts, accepted.tokens, accepted.path
+
     def verify(self, input_ids: Tensor, slot_ids: Tensor, start: Tensor, kmax: int,
                tree: DraftTree | None = None) -> VerifyOutput:
         """Rows input_ids [L, W] of lanes slot_ids [L] from positions start [L] - chains, or the nodes of
@@ -632,6 +663,14 @@ class ModelRunner:
         if self.config.sync_phase_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def path_rows(taps: Tensor | None, path: Tensor | None) -> Tensor | None:
+    """A tree round's tapped rows [L, N, ...] along each lane's accepted path [L, D+1] (token order);
+    a chain's (path None) as they are."""
+    if taps is None or path is None:
+        return taps
+    return taps[torch.arange(taps.shape[0], device=taps.device)[:, None], path]
 
 
 def top_logprobs(seqs) -> int | None:

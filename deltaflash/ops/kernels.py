@@ -36,6 +36,7 @@ class Kernels:
     silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
     rope: Callable                    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
+    move_tree_rows: Callable          # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
     # (q, k, v, scale): causal attention of a prefill chunk that starts its sequences, over its own K/V
     # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
     # (a batch-invariant engine: the paged kernel's tiles do not follow the shape)
@@ -82,7 +83,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 def reference_kernels() -> Kernels:
     from deltaflash.ops.activation.naive import silu_mul_ref
     from deltaflash.ops.attention.dense import causal_block_attention
-    from deltaflash.ops.attention.naive import paged_attention_ref
+    from deltaflash.ops.attention.naive import move_tree_rows_ref, paged_attention_ref
     from deltaflash.ops.conv.extend import conv_extend_heads_ref
     from deltaflash.ops.conv.naive import conv_tree_step_ref
     from deltaflash.ops.gdn.naive import gdn_verify_ref
@@ -109,6 +110,7 @@ def reference_kernels() -> Kernels:
         silu_mul=silu_mul_ref,
         rope=apply_rope_ref,
         paged_attention=paged_attention_ref,
+        move_tree_rows=move_tree_rows_ref,
         prefill_attention=causal_block_attention,
     )
 
@@ -117,6 +119,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.paged import paged_attention
+    from deltaflash.ops.attention.tree_rows import move_tree_rows
     from deltaflash.ops.conv.extend import conv_extend_heads
     from deltaflash.ops.conv.tree_step import conv_tree_step
     from deltaflash.ops.gdn.commit import state_commit
@@ -143,6 +146,7 @@ def triton_kernels() -> Kernels:
         silu_mul=silu_mul,
         rope=apply_rope,
         paged_attention=paged_attention,
+        move_tree_rows=move_tree_rows,
         prefill_attention=causal_block_attention,
     )
 

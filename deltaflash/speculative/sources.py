@@ -148,6 +148,12 @@ class DFlashSource:
             logits = self.vocab.gather(logits.contiguous())
         return self._build(hidden, logits, slot_ids, anchors, budget, top_k)
 
+    def greedy_tree(self, slot_ids: Tensor, anchors: Tensor, start: Tensor) -> DraftTree:
+        """The engine's trees (budget, top_k: `tree`) of every lane from the block forward reading whole
+        tables: device work only, so a greedy tree round's CUDA graph can hold it (what the tree graph
+        holds, as a DraftTree)."""
+        return self._as_tree(self._tree_nodes(slot_ids, anchors, start))
+
     def _build(self, hidden, logits, slot_ids, anchors, budget: int, top_k: int) -> DraftTree:
         if self.drafter.config.variant == "dflash2":
             children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)

@@ -79,3 +79,28 @@ def paged_attention_ref(q: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     visible = visible_keys(context_lens, n_rows, slot_ids, T, K, mode, tree_mask, window)
     out = masked_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), visible[:, None], scale)
     return torch.where(visible.any(-1)[:, :, None, None], out.transpose(1, 2), 0)
+
+
+def move_tree_rows_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                       slot_ids: torch.Tensor, start: torch.Tensor, nodes: torch.Tensor, rows: torch.Tensor) -> None:
+    """A tree commit's K/V moves, in place. key_cache / value_cache [A, P+1, page, nkv, hd]; block_tables
+    [S+1, max_pages] (row S: padding lanes'); slot_ids [L] (-1: padding, moves nothing); start [L]: the
+    lane's first verified position; nodes [L, T]: the accepted path's node ids in token order, its first
+    rows[l] accepted. Verify stored node n at start + n; accepted node t goes to start + t. Every source
+    row is gathered before any row is written; a row not moved is written back as it was."""
+    L, T = nodes.shape
+    page, max_pages = key_cache.shape[2], block_tables.shape[1]
+    t = torch.arange(T, device=nodes.device)
+    moves = (t < rows[:, None]) & (nodes != t)
+    lanes = torch.where(slot_ids < 0, block_tables.shape[0] - 1, slot_ids)[:, None]
+
+    def storage_rows(positions):
+        pages = block_tables[lanes, (positions // page).clamp(max=max_pages - 1)].long()
+        return (pages * page + positions % page).flatten()
+
+    dst = start[:, None] + t
+    src = storage_rows(torch.where(moves & (slot_ids >= 0)[:, None], start[:, None] + nodes, dst))
+    dst = storage_rows(dst)
+    for cache in (key_cache, value_cache):
+        flat = cache.flatten(1, 2)  # [A, (P+1) * page, nkv, hd], a view
+        flat[:, dst] = flat[:, src]

@@ -106,3 +106,14 @@ def assert_greedy_equal(target_dir, batch, got, want, margin: float = 1e-3, **co
 def prompts(vocab: int, lengths, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class EagerGraph:
+    """Stands in for a LaneGraphs on the CPU: runs the function its graphs would have captured."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def run(self, *inputs):
+        self.calls += 1
+        return self.fn(*inputs)

@@ -14,7 +14,7 @@ from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.scheduler import Scheduler
 from deltaflash.errors import DeltaflashError
 from deltaflash.speculative.sources import ScriptedSource
-from tests.spec_pairs import engine_for, make_pair, prompts
+from tests.spec_pairs import EagerGraph, engine_for, make_pair, prompts
 
 GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
 
@@ -303,17 +303,6 @@ def test_a_chain_round_commits_before_its_read_and_refuses_a_stale_lane_first(pa
         runner.execute(plan)
     after = (pool.recurrent_state, pool.conv_history, pool.key_cache, pool.value_cache)
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and list(pool.lengths) == lengths
-
-
-class EagerGraph:
-    """Stands in for a LaneGraphs on the CPU: runs the function its graphs would have captured."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def run(self, *inputs):
-        self.calls += 1
-        return self.fn(*inputs)
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])

@@ -17,7 +17,7 @@ from deltaflash.speculative.draft import _select_candidates
 from deltaflash.speculative.sampling import LaneSampling
 from deltaflash.speculative.sources import ScriptedSource
 from deltaflash.speculative.tree import DraftTree, accept_tree, build_tree, dflash2_children, dflash_children
-from tests.spec_pairs import engine_for, make_pair, peaked_pair, prompts
+from tests.spec_pairs import EagerGraph, engine_for, make_pair, peaked_pair, prompts
 
 BLOCK = 6
 
@@ -305,17 +305,6 @@ def test_tree_options_are_checked(pairs):
         engine_for(target, draft, tree_budget=40, tree_top_k=1)
     with pytest.raises(DeltaflashError, match=r"in \[2, 64\]"):
         engine_for(target, draft, tree_budget=65)
-
-
-class EagerGraph:
-    """Stands in for a LaneGraphs on the CPU: runs the function its graphs would have captured."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def run(self, *inputs):
-        self.calls += 1
-        return self.fn(*inputs)
 
 
 @pytest.mark.parametrize("route", ["reference", "fused", "round graph"])

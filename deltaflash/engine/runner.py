@@ -443,8 +443,9 @@ class ModelRunner:
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width
         slots, starts = [s.slot for s in seqs], [s.position for s in seqs]
-        # drafts a lane may accept: its width less one (a grammar lane speculates only in chains)
-        limits = [0 if plan.tree_budget and s.matcher is not None else w - 1 for s, w in zip(seqs, plan.widths)]
+        # drafts a lane may accept: its width less one, and no more than the round's rows (a tree of W nodes
+        # is at most W - 1 drafts deep); a grammar lane speculates only in chains
+        limits = [0 if plan.tree_budget and s.matcher is not None else min(w, W) - 1 for s, w in zip(seqs, plan.widths)]
         graphs = self._greedy_round_graphs(seqs, ("tree", W) if plan.tree_budget else W)
         if W > 1:  # (a width-1 round checks in decode) a stale lane is refused before the verify writes its rows;
             # a round graph commits before the read too: room for each lane's most rows (commit_unread_chains)

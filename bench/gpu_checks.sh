@@ -7,7 +7,7 @@
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
-# longctxfast graphlaunch roundgraphs treestep treegraphs randomdraft (tp: the 27B shape's round at TP 1 and
+# longctxfast graphlaunch roundgraphs treestep treegraphs randomdraft verifytrees (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -102,6 +102,7 @@ for step in "$@"; do
                        run treeround 150 python3 -m deltaflash bench round --lanes 1 16 --routes fused --rounds 6 \
                            --tree-budget $budget --json "$OUT/round-tree$budget.json"
                    done ;;
+        verifytrees) run verifytrees 120 python3 bench/verify_trees.py ;;  # issue 17: the GDN kernel's tree path vs chains
         randomdraft) run randomdraft 300 python3 -m deltaflash bench e2e --workload scripted --corrupt 1.0 --prompts 16 \
                          --concurrency 1 16 --no-profile --speculation adaptive --out "$OUT/randomdraft" --quiet ;;  # issue 16: <= 5% behind target-only
         treestep) for budget in 0 16; do  # a demo-pair step at one lane, chain vs tree: where the tree round's time goes

@@ -1,7 +1,7 @@
-"""The prefill conv, SwiGLU, RoPE, residual-norm, one-launch state commit and tree K/V move kernels compile for the
-H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them
-as Python and accepts code the compiler rejects (a variable redefined with another shape inside an `if`): this
-catches that before a GPU run does."""
+"""The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit and tree K/V move kernels
+compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels under TRITON_INTERPRET=1,
+which executes them as Python and accepts code the compiler rejects (a variable redefined with another shape inside
+an `if`): this catches that before a GPU run does."""
 
 import os
 import subprocess
@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent("""
     from deltaflash.ops.attention.tree_rows import move_tree_rows_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
     from deltaflash.ops.gdn.commit import state_commit_kernel
+    from deltaflash.ops.gdn.verify import gdn_verify_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
     from deltaflash.ops.rope.rotary import rope_kernel
 
@@ -65,6 +66,16 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(move_tree_rows_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4))
         assert ".entry move_tree_rows_kernel" in kernel.asm["ptx"]
+    for trees in (False, True):  # the chain kernel; the tree kernel (a program per root-to-leaf path)
+        consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=16, BW=16, LOG_BK=7, TREES=trees)
+        pointers = dict(q="*bf16", k="*bf16", v="*bf16", a="*bf16", b="*bf16", A_log="*fp32", dt_bias="*fp32",
+                        recurrent_state="*fp32", state_slot_ids="*i32", parents="*i64", o="*bf16", replay_log="*fp32",
+                        scale="fp32")
+        signature = {n: pointers.get(n, "constexpr" if n in consts else "i64")
+                     for n in gdn_verify_kernel.arg_names}
+        kernel = triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
+        assert ".entry gdn_verify_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

@@ -47,8 +47,8 @@ def chain_parents(L, W):
     return (torch.arange(W, device=DEV) - 1).expand(L, W).contiguous()
 
 
-def tree_parents(L, W, seed):
-    return random_tree_parents(L, W, seed).to(DEV)
+def tree_parents(L, W, seed, forest=False):
+    return random_tree_parents(L, W, seed, forest).to(DEV)
 
 
 def verify_args(p, parents):
@@ -66,10 +66,11 @@ def run_verify(ops, p, parents):
 
 @pytest.mark.parametrize("L,W,nk,nv,dk,dv,tree", [
     (3, 1, 2, 4, 128, 128, False), (4, 5, 2, 4, 128, 128, True), (4, 12, 1, 3, 64, 96, True),
-    (8, 16, 2, 4, 128, 128, False), (3, 16, 2, 4, 128, 128, True), (2, 32, 1, 2, 128, 128, True)])
+    (8, 16, 2, 4, 128, 128, False), (3, 16, 2, 4, 128, 128, True), (2, 32, 1, 2, 128, 128, True),
+    (3, 16, 2, 4, 128, 128, "forest")])
 def test_gdn_verify_kernel_matches_ref_and_never_writes_state(ops, L, W, nk, nv, dk, dv, tree):
     p = make_gdn(L, W, nk, nv, dk, dv, seed=W)
-    parents = tree_parents(L, W, seed=W) if tree else chain_parents(L, W)
+    parents = tree_parents(L, W, seed=W, forest=tree == "forest") if tree else chain_parents(L, W)
     before = p["pool"].clone()
     o, log = run_verify(ops, p, parents)
     torch.cuda.synchronize()
@@ -150,7 +151,7 @@ def make_conv(L, W, C, dtype, S=8, G=2, seed=0):
 def test_conv_tree_step_bitwise_equals_ref(ops, W, C, tree, dtype):
     L = 4
     c = make_conv(L, W, C, dtype, seed=W)
-    parents = tree_parents(L, W, seed=W) if tree else chain_parents(L, W)
+    parents = tree_parents(L, W, seed=W, forest=tree == "forest") if tree else chain_parents(L, W)
     before = c["history"].clone()
     out = torch.full((L, W, C), float("nan"), dtype=dtype, device=DEV)
     window = torch.full((L, C, K_CONV - 1 + W), float("nan"), dtype=dtype, device=DEV)
@@ -248,7 +249,7 @@ def test_fused_route_bitwise_equals_unfused_route(ops, nk, nv, dk, L, S, W, tree
     weight = torch.randn(C, K_CONV, generator=gen).to(torch.bfloat16).to(DEV)
     A_log, dt_bias = (torch.randn(nv, generator=gen) * 0.5).to(DEV), torch.randn(nv, generator=gen).to(DEV)
     slots = torch.randperm(S, generator=gen)[:L].to(DEV)  # lanes read permuted slots
-    parents = tree_parents(L, W, seed=W) if tree else chain_parents(L, W)
+    parents = tree_parents(L, W, seed=W, forest=tree == "forest") if tree else chain_parents(L, W)
     before = (pool.clone(), history.clone())
 
     def route(conv, verify):

@@ -43,11 +43,12 @@ def chain_parents(L, W):
     return (torch.arange(W) - 1).expand(L, W).contiguous()
 
 
-def random_tree_parents(L, W, seed):
+def random_tree_parents(L, W, seed, forest=False):
+    """Random trees (parents[n] uniform in [0, n)); a forest also draws -1: nodes starting from the slot state."""
     gen = torch.Generator().manual_seed(seed)
     par = torch.full((L, W), -1, dtype=torch.long)
     for n in range(1, W):
-        par[:, n] = torch.randint(0, n, (L,), generator=gen)
+        par[:, n] = torch.randint(-1 if forest else 0, n, (L,), generator=gen)
     return par
 
 
@@ -331,6 +332,7 @@ KERNEL_CASES = {  # name: (L, W, nk, nv, dk, dv, tree, dtype)
     "W5 dk32 tree bf16": (4, 5, 1, 3, 32, 32, True, torch.bfloat16),
     "W12 dk32 tree": (2, 12, 2, 4, 32, 16, True, torch.float32),
     "W5 dk128 dv40 tree": (2, 5, 1, 1, 128, 40, True, torch.float32),
+    "W9 dk32 forest": (3, 9, 1, 2, 32, 16, "forest", torch.float32),
 }
 
 
@@ -347,7 +349,9 @@ def run_verify_kernel(p, parents, chains=False):
 def test_gdn_verify_kernel_matches_ref(case):
     L, W, nk, nv, dk, dv, tree, dtype = KERNEL_CASES[case]
     p = make_gdn(L=L, W=W, nk=nk, nv=nv, dk=dk, dv=dv, dtype=dtype, seed=7)
-    parents = random_tree_parents(L, W, seed=8).int() if tree else chain_parents(L, W)
+    parents = random_tree_parents(L, W, seed=8, forest=tree == "forest").int() if tree else chain_parents(L, W)
+    if tree == "forest":
+        assert (parents[:, 1:] < 0).any()
     before = p["pool"].clone()
     o, log = run_verify_kernel(p, parents)
     o_ref, log_ref = gdn_verify_ref(*verify_args(p, parents))

@@ -65,19 +65,17 @@ def halving_sum(x, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def row_loads(q, k, v, a, b, parents, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
+def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
               stride_q_l, stride_q_w, stride_q_h, stride_q_d,
               stride_k_l, stride_k_w, stride_k_h, stride_k_d,
               stride_v_l, stride_v_w, stride_v_h, stride_v_d,
               stride_a_l, stride_a_w, stride_a_h,
               stride_b_l, stride_b_w, stride_b_h,
-              stride_p_l, stride_p_w,
               W: tl.constexpr):
-    """Row n's raw inputs, as loaded: parent, q, k, v, a, b. Rows n >= W load zeros (the prefetch past
-    the last row). Nothing here uses the loaded values, so the loads are in flight while the previous
-    row updates the state."""
+    """Row n's raw inputs, as loaded: q, k, v, a, b. Rows n >= W load zeros (the prefetch past the
+    last row). Nothing here uses the loaded values, so the loads are in flight while the previous row
+    updates the state."""
     live = n < W
-    i_p = tl.load(parents + i_l * stride_p_l + n * stride_p_w, mask=live, other=0).to(tl.int32)
     b_a = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0)
     b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0)
     b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
@@ -86,7 +84,7 @@ def row_loads(q, k, v, a, b, parents, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
                   mask=m_k & live, other=0.0)
     b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
                   mask=m_v & live, other=0.0)
-    return i_p, b_q, b_k, b_v, b_a, b_b
+    return b_q, b_k, b_v, b_a, b_b
 
 
 @triton.jit
@@ -104,6 +102,29 @@ def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, LOG_BK: tl.conste
 
 
 @triton.jit
+def leaf_path(parents, i_l, i_leaf, o_w, stride_p_l, stride_p_w, W: tl.constexpr):
+    """The root path of node i_leaf of lane i_l's tree, as this leaf's program walks it: (on [BW], 1 at
+    the path's nodes; the path's first node; its node count, 0 when i_leaf has a child, so only leaves
+    run; the first node this program writes). Every node is written by one program, the leaf reached
+    from it by first children (its lowest-numbered child): on this path those are the nodes from the
+    last one that is not its parent's first child (the root when there is none)."""
+    b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-2).to(tl.int32)
+    b_on = tl.zeros(o_w.shape, dtype=tl.int32)
+    i_c = i_leaf
+    owned_from = -1
+    while i_c >= 0:
+        b_on = tl.where(o_w == i_c, 1, b_on)
+        i_p = tl.sum(tl.where(o_w == i_c, b_par, 0))
+        younger = tl.sum(((b_par == i_p) & (o_w < i_c)).to(tl.int32)) > 0  # an elder sibling: not first
+        owned_from = tl.where(younger & (owned_from < 0), i_c, owned_from)
+        i_c = i_p
+    is_leaf = tl.sum((b_par == i_leaf).to(tl.int32)) == 0
+    count = tl.where(is_leaf, tl.sum(b_on), 0)
+    first = tl.min(tl.where(b_on > 0, o_w, W))
+    return b_on, first, count, tl.where(owned_from < 0, 0, owned_from)
+
+
+@triton.jit
 def gdn_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
     stride_q_l, stride_q_w, stride_q_h, stride_q_d,
@@ -118,67 +139,52 @@ def gdn_verify_kernel(
     W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, LOG_BK: tl.constexpr,
     TREES: tl.constexpr,
 ):
-    """One program: lane i_l, value head i_h, dv tile i_v; the [BK, BV] state tile lives in registers.
-    Node n continues from node n-1's state when parents[n] == n-1 (the chain case, free). Otherwise the
-    parent's state is rebuilt from the slot state by replaying the parent's root path from this
-    program's own replay-log rows (same update, so bit-identical to the state the chain would have).
-    Without TREES every lane is a chain (the caller's promise; parents are not read) and that tree
-    path is compiled out: it keeps the state's addresses live, about half the registers (ptxas, BV 8).
+    """One program: dv tile i_v, value head i_h, and a lane's chain (without TREES: every lane is a
+    chain, the caller's promise; parents are not read) or one root-to-leaf path of a lane's tree (W
+    programs per lane, one per node; those of inner nodes run no row). The [BK, BV] state tile lives in
+    registers and each row continues from the previous row's: a path program recomputes the nodes it
+    shares with other paths (the same update from the same slot state, so the same bits) and writes
+    only those it owns (leaf_path), so a tree costs its depth in rows, not its node count.
     Row n + 1's raw inputs are loaded before row n updates the state and prepared (norms, gates) after,
     so the loads are in flight during the update."""
-    i_v, i_h, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_l = i_l.to(tl.int64)
+    i_v, i_h, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
     o_k = bit_index(LOG_BK)  # dk as LOG_BK size-2 axes; [dk, BV] tiles are [2] * LOG_BK + [BV]
     o_v = i_v * BV + tl.arange(0, BV)
-    o_w = tl.arange(0, BW)
     m_k, m_v = o_k < K, o_v < V
     E: tl.constexpr = 1 + K + V  # replay log entry: [gamma, k (K), delta (V)]
+    if TREES:
+        i_l = (i_g // W).to(tl.int64)
+        o_w = tl.arange(0, BW)
+        b_on, i_n, count, owned_from = leaf_path(parents, i_l, i_g % W, o_w, stride_p_l, stride_p_w, W)
+    else:
+        i_l = i_g.to(tl.int64)
+        i_n, count, owned_from = 0, W, 0
 
     i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
     p_S0 = recurrent_state + i_s * stride_s_s + i_h * stride_s_h
-    o_S = tl.expand_dims(o_k, LOG_BK) * stride_s_k + o_v * stride_s_v
-    m_S0 = tl.expand_dims(m_k, LOG_BK) & m_v & (i_s >= 0)
-    b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
-
-    if TREES:
-        b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-1).to(tl.int32)
-        # a tree lane needs whole k rows in every program's log rows (identical values) to rebuild states
-        is_tree = tl.sum(((b_par != o_w - 1) & (o_w < W)).to(tl.int32)) > 0
-    else:
-        is_tree = False
+    m_S0 = tl.expand_dims(m_k, LOG_BK) & m_v & (i_s >= 0) & (count > 0)
+    b_S = tl.load(p_S0 + tl.expand_dims(o_k, LOG_BK) * stride_s_k + o_v * stride_s_v, mask=m_S0, other=0.0)
     b_neg_A = -exact_exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
     p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
 
-    i_p, r_q, r_k, r_v, r_a, r_b = row_loads(
-        q, k, v, a, b, parents, i_l, i_h, i_hk, 0, o_k, o_v, m_k, m_v,
+    r_q, r_k, r_v, r_a, r_b = row_loads(
+        q, k, v, a, b, i_l, i_h, i_hk, i_n, o_k, o_v, m_k, m_v,
         stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
         stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-        stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W)
-    for n in range(0, W):
-        n_p, n_q, n_k, n_v, n_a, n_b = row_loads(
-            q, k, v, a, b, parents, i_l, i_h, i_hk, n + 1, o_k, o_v, m_k, m_v,
+        stride_b_l, stride_b_w, stride_b_h, W)
+    for _ in range(0, count):
+        if TREES:  # the path's next node (W past its end)
+            i_next = tl.min(tl.where((b_on > 0) & (o_w > i_n), o_w, W))
+        else:
+            i_next = i_n + 1
+        n_q, n_k, n_v, n_a, n_b = row_loads(
+            q, k, v, a, b, i_l, i_h, i_hk, i_next, o_k, o_v, m_k, m_v,
             stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
             stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-            stride_b_l, stride_b_w, stride_b_h, stride_p_l, stride_p_w, W)
+            stride_b_l, stride_b_w, stride_b_h, W)
         b_q, b_k, b_v, b_gamma, b_beta = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt, scale, LOG_BK)
-        if TREES and i_p != n - 1:
-            tl.debug_barrier()  # this program's log rows of nodes < n are visible to all its threads
-            b_S = tl.load(p_S0 + o_S, mask=m_S0, other=0.0)
-            b_anc = tl.zeros([BW], dtype=tl.int32)  # 1 on the root path of i_p
-            i_c = i_p
-            for _ in range(0, n):
-                b_anc = tl.where(o_w == i_c, 1, b_anc)
-                i_c = tl.sum(tl.where(o_w == i_c, b_par, 0)) + tl.where(i_c < 0, -1, 0)
-            for m in range(0, n):
-                if tl.sum(tl.where(o_w == m, b_anc, 0)) > 0:
-                    p_m = p_log_lane + m * HV * E
-                    b_gm = tl.load(p_m)
-                    b_km = tl.load(p_m + 1 + o_k, mask=m_k, other=0.0)
-                    b_dm = tl.load(p_m + 1 + K + o_v, mask=m_v, other=0.0)
-                    b_S = b_S * b_gm
-                    b_S = b_S + tl.expand_dims(b_km, LOG_BK) * b_dm
 
         # decayed = gamma * S; delta = beta * (v - decayed^T k); S = decayed + k delta^T; o = S^T q
         b_ke = tl.expand_dims(b_k, LOG_BK)
@@ -187,13 +193,15 @@ def gdn_verify_kernel(
         b_S = b_S + b_ke * b_delta
         b_o = halving_sum(b_S * tl.expand_dims(b_q, LOG_BK), LOG_BK)
 
-        tl.store(o + ((i_l * W + n) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        p_n = p_log_lane + n * HV * E
-        if (i_v == 0) | is_tree:
+        mine = i_n >= owned_from
+        tl.store(o + ((i_l * W + i_n) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & mine)
+        p_n = p_log_lane + i_n * HV * E
+        if (i_v == 0) & mine:
             tl.store(p_n, b_gamma)
             tl.store(p_n + 1 + o_k, b_k, mask=m_k)
-        tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v)
-        i_p, r_q, r_k, r_v, r_a, r_b = n_p, n_q, n_k, n_v, n_a, n_b
+        tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v & mine)
+        i_n = i_next
+        r_q, r_k, r_v, r_a, r_b = n_q, n_k, n_v, n_a, n_b
 
 
 def verify_tiles(dk: int, dv: int, programs_per_tile: int):
@@ -217,7 +225,8 @@ def verify_tiles(dk: int, dv: int, programs_per_tile: int):
 
 def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
                    chains: bool = False):
-    """Allocate the outputs (unless given) and launch one program per (dv tile, value head, lane)."""
+    """Allocate the outputs (unless given) and launch one program per (dv tile, value head, lane), or per
+    (dv tile, value head, lane, node) for trees (a program per root-to-leaf path; inner nodes' exit)."""
     L, W, nk, dk = q.shape
     nv, dv = v.shape[2:]
     if o is None:
@@ -227,7 +236,7 @@ def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
     if L == 0:
         return o, replay_log
     BK, BV, num_warps = verify_tiles(dk, dv, L * nv)
-    grid = (triton.cdiv(dv, BV), nv, L)
+    grid = (triton.cdiv(dv, BV), nv, L if chains else L * W)
     gdn_verify_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *recurrent_state.stride(),

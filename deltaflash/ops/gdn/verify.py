@@ -109,8 +109,9 @@ def leaf_path(parents, i_l, i_leaf, o_w, stride_p_l, stride_p_w, W: tl.constexpr
     from it by first children (its lowest-numbered child): on this path those are the nodes from the
     last one that is not its parent's first child (the root when there is none)."""
     b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-2).to(tl.int32)
+    is_leaf = tl.sum((b_par == i_leaf).to(tl.int32)) == 0
     b_on = tl.zeros(o_w.shape, dtype=tl.int32)
-    i_c = i_leaf
+    i_c = tl.where(is_leaf, i_leaf, -1)  # an inner node's program walks nothing
     owned_from = -1
     while i_c >= 0:
         b_on = tl.where(o_w == i_c, 1, b_on)
@@ -118,8 +119,7 @@ def leaf_path(parents, i_l, i_leaf, o_w, stride_p_l, stride_p_w, W: tl.constexpr
         younger = tl.sum(((b_par == i_p) & (o_w < i_c)).to(tl.int32)) > 0  # an elder sibling: not first
         owned_from = tl.where(younger & (owned_from < 0), i_c, owned_from)
         i_c = i_p
-    is_leaf = tl.sum((b_par == i_leaf).to(tl.int32)) == 0
-    count = tl.where(is_leaf, tl.sum(b_on), 0)
+    count = tl.sum(b_on)
     first = tl.min(tl.where(b_on > 0, o_w, W))
     return b_on, first, count, tl.where(owned_from < 0, 0, owned_from)
 

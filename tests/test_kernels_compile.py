@@ -1,7 +1,7 @@
-"""The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit and tree K/V move kernels
-compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels under TRITON_INTERPRET=1,
-which executes them as Python and accepts code the compiler rejects (a variable redefined with another shape inside
-an `if`): this catches that before a GPU run does."""
+"""The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move and greedy
+tree walk kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels under
+TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined with
+another shape inside an `if`): this catches that before a GPU run does."""
 
 import os
 import subprocess
@@ -14,6 +14,7 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from deltaflash.ops.accept.greedy_walk import greedy_walk_kernel
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
     from deltaflash.ops.attention.tree_rows import move_tree_rows_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
@@ -76,6 +77,11 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
         assert ".entry gdn_verify_kernel" in kernel.asm["ptx"]
+    signature = {n: "constexpr" if n == "BN" else "*i1" if n == "valid" else "i32" if n in ("N", "D") else
+                 "i64" if n.startswith("stride") else "*i64" for n in greedy_walk_kernel.arg_names}
+    kernel = triton.compile(ASTSource(greedy_walk_kernel, signature, dict(BN=16)), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=1))
+    assert ".entry greedy_walk_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

@@ -145,10 +145,23 @@ def test_greedy_acceptance_walks_to_the_argmax_child():
     assert max(depths) >= 3 and depths[2] == 0
 
 
+def walk_kernel():
+    """The one-launch greedy walk (ops/accept): interpreted on CPU, or on CUDA."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from deltaflash.ops.accept.greedy_walk import greedy_walk, greedy_walk_kernel
+    if not isinstance(greedy_walk_kernel, InterpretedFunction):
+        pytest.skip("the walk kernel on CPU needs TRITON_INTERPRET=1 before import")
+    return greedy_walk
+
+
+@pytest.mark.parametrize("walk", ["torch", "kernel"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_acceptance_equals_the_walk_on_random_trees(seed):
-    """accept_tree's loop-free greedy acceptance against the step-by-step walk: random trees, budgets cut
-    per lane, depth limits, and target argmaxes that follow a random child at most nodes."""
+def test_greedy_acceptance_equals_the_walk_on_random_trees(seed, walk):
+    """accept_tree's greedy acceptance - the loop-free torch route, or the one-launch kernel - against the
+    step-by-step walk: random trees, budgets cut per lane, depth limits, and target argmaxes that follow a
+    random child at most nodes."""
+    walk = walk_kernel() if walk == "kernel" else None
     g = torch.Generator().manual_seed(seed)
     L, D, V, k, N = 40, 6, 9, 3, 20
     tree = build_tree(dflash_children(3 * torch.randn(L, D, V, generator=g), k), torch.zeros(L, dtype=torch.long), D, N, k)
@@ -160,13 +173,25 @@ def test_greedy_acceptance_equals_the_walk_on_random_trees(seed):
             if kids and torch.rand((), generator=g) < 0.8:
                 logits[lane, n, tree.tokens[lane, kids[int(torch.randint(len(kids), (), generator=g))]]] = 10.0
     limits = torch.randint(0, D + 1, (L,), generator=g)
-    acc = accept_tree(logits, tree, limits, LaneSampling.greedy_lanes(L, "cpu"))
+    acc = accept_tree(logits, tree, limits, LaneSampling.greedy_lanes(L, "cpu"), walk=walk)
     for lane in range(L):
         path = walk_greedy(tree, logits, lane, int(limits[lane]))
         n = len(path) - 1
         assert int(acc.counts[lane]) == n and acc.path[lane, :n + 1].tolist() == path
         assert int(acc.tokens[lane, n]) == int(logits[lane, path[-1]].argmax())
     assert int(acc.counts.max()) >= 4
+
+
+def test_greedy_walks_take_the_lower_ranked_of_equal_siblings():
+    """Siblings holding the same token (DFlash2 candidates may repeat): both walks take the lower rank."""
+    tokens = torch.tensor([[5, 7, 7, 3, 3]])  # nodes 1 (rank 1) and 2 (rank 0) under the root hold 7
+    tree = DraftTree(tokens=tokens, parents=torch.tensor([[-1, 0, 0, 1, 2]]), depth=torch.tensor([[0, 1, 1, 2, 2]]),
+                     rank=torch.tensor([[0, 1, 0, 0, 0]]), order=torch.arange(5)[None],
+                     valid=torch.ones(1, 5, dtype=torch.bool), max_depth=2, top_k=2)
+    greedy_next = torch.tensor([[7, 3, 3, 0, 0]])
+    for walk in (tree_module.greedy_walk, walk_kernel()):
+        path, last = walk(tree, greedy_next, torch.tensor([2]))
+        assert path.tolist() == [[2, 4]] and last.tolist() == [4]
 
 
 def test_sampled_acceptance_draws_the_first_token_from_p():
@@ -268,7 +293,7 @@ def p_values(a, b) -> list[float]:
     return out
 
 
-def accept_first_child(logits, tree, depth_limit, sampling, top_logprobs=None, raw=None):
+def accept_first_child(logits, tree, depth_limit, sampling, top_logprobs=None, raw=None, walk=None):
     """A broken rule: always accept the best child (no rejection), down to the depth limit."""
     L, device = logits.shape[0], logits.device
     path, node = [torch.zeros(L, dtype=torch.long, device=device)], torch.zeros(L, dtype=torch.long, device=device)

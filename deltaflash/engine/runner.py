@@ -470,7 +470,8 @@ class ModelRunner:
             rules = self._rules(seqs, None, W)
             raw = self._whole_rows(out.logits)
             logits = raw if rules is None else rules.apply(raw, None, tree)
-            accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw)
+            accepted = accept_tree(logits, tree, n_draft, sampling, top_logprobs(seqs), raw=raw,
+                                   walk=self.kernels.greedy_tree_walk)
             if not self.kernels.fused:  # the reference commit walks the lanes' paths on the host: after the read
                 return _Round(slot_ids, start, out, accepted, tree), marks
             rows = accepted.counts + 1  # as a chain round's: committed on the device, before the read
@@ -622,7 +623,7 @@ class ModelRunner:
         [L, D+1], accepted path [L, D+1]). The host checked the lanes for their most rows first."""
         tree = self.source.greedy_tree(slot_ids, anchors, start).cut(budget)
         logits, taps, windows, log = self._verify_rows(tree.tokens, slot_ids, start, tree.parents, tree.depth)
-        accepted = accept_tree(logits, tree, n_draft, ALL_GREEDY)
+        accepted = accept_tree(logits, tree, n_draft, ALL_GREEDY, walk=self.kernels.greedy_tree_walk)
         rows = accepted.counts + 1
         out = VerifyOutput(logits=logits, taps=taps, conv_windows=windows.movedim(0, 1), replay_log=log.movedim(0, 1))
         apply_tree_plan(self.pool, CommitPlan.tree(slot_ids, accepted.path, rows, tree.budget), out, self.kernels,

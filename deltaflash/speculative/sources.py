@@ -208,17 +208,18 @@ class ScriptedSource:
         those [L, W-1, vocab] logits (at a real vocabulary they cost more than the round)."""
         L, depths, V = slot_ids.shape[0], self.block_size - 1, self.vocab_size
         k = min(top_k, V)
-        tokens = torch.empty(L, depths, k, dtype=torch.long)
-        log_p = torch.empty(L, depths, k)
-        for lane, row in enumerate(self._script_rows(seqs, L, corrupt=0.0)):
-            for d, tok in enumerate(row):
+        tokens, log_p = [], []  # host lists, one tensor each at the end (a tensor per entry cost ms at 16 lanes)
+        for row in self._script_rows(seqs, L, corrupt=0.0):
+            for tok in row:
                 decoy = self.rng.randrange(V)
                 ranked = [decoy, tok] if self.rng.random() < self.corrupt and decoy != tok else list(dict.fromkeys([tok, decoy]))
                 rest = (t for t in range(V) if t not in ranked)
-                tokens[lane, d] = torch.tensor((ranked + [next(rest) for _ in range(k - len(ranked))])[:k])
+                tokens.append((ranked + [next(rest) for _ in range(k - len(ranked))])[:k])
                 logits = [8.0, 6.0][:len(ranked)] + [0.0] * (k - len(ranked))
                 lse = math.log(sum(math.exp(x) for x in logits[:len(ranked)]) + (V - len(ranked)))
-                log_p[lane, d] = torch.tensor(logits[:k]) - lse
+                log_p.append([x - lse for x in logits[:k]])
+        tokens = torch.tensor(tokens, dtype=torch.long).view(L, depths, k)
+        log_p = torch.tensor(log_p, dtype=torch.float32).view(L, depths, k)
         children = ranked_children(to_device(log_p, slot_ids.device), to_device(tokens, slot_ids.device))
         return build_tree(children, torch.where(slot_ids < 0, 0, anchors), depths, budget, top_k)
 

@@ -160,16 +160,17 @@ def children_by_rank(tree: DraftTree) -> Tensor:
 
 
 def accept_tree(logits: Tensor, tree: DraftTree, depth_limit: Tensor, sampling: LaneSampling,
-                top_logprobs: int | None = None, raw: Tensor | None = None) -> Accepted:
+                top_logprobs: int | None = None, raw: Tensor | None = None, walk=None) -> Accepted:
     """logits [L, N, V] fp32: the target's rows at every node, the lanes' logit rules already applied
     (raw: the same before the rules, for logprobs; None: logits); depth_limit [L] long: drafts a lane may
-    accept. Returns Accepted with `path` [L, D+1] (node ids, the root first, then the accepted nodes;
-    0 past counts) and tokens [L, D+1] (the accepted nodes' tokens, then the next token)."""
+    accept; walk: greedy_walk's implementation (the engine's kernel set's; None: greedy_walk). Returns
+    Accepted with `path` [L, D+1] (node ids, the root first, then the accepted nodes; 0 past counts) and
+    tokens [L, D+1] (the accepted nodes' tokens, then the next token)."""
     L, N, V = logits.shape
     device = logits.device
     lanes = torch.arange(L, device=device)
     greedy_next = logits.argmax(dim=-1)  # [L, N]
-    path, cur = greedy_walk(tree, greedy_next, depth_limit)
+    path, cur = (walk or greedy_walk)(tree, greedy_next, depth_limit)
     next_token = greedy_next[lanes, cur]
     if not sampling.all_greedy:
         kids_of = children_by_rank(tree)

@@ -1,7 +1,7 @@
-"""The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move and greedy
-tree walk kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels under
-TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined with
-another shape inside an `if`): this catches that before a GPU run does."""
+"""The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
+and greedy tree walk kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
+under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined
+with another shape inside an `if`): this catches that before a GPU run does."""
 
 import os
 import subprocess
@@ -14,7 +14,6 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from deltaflash.ops.accept.greedy_walk import greedy_walk_kernel
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
     from deltaflash.ops.attention.tree_rows import move_tree_rows_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
@@ -22,6 +21,8 @@ SCRIPT = textwrap.dedent("""
     from deltaflash.ops.gdn.verify import gdn_verify_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
     from deltaflash.ops.rope.rotary import rope_kernel
+    from deltaflash.ops.tree.build import ranked_tree_kernel
+    from deltaflash.ops.tree.greedy_walk import greedy_walk_kernel
 
     for dtype in ("bf16", "fp32"):
         pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", weight=f"*{dtype}", n_rows="*i64",
@@ -82,6 +83,12 @@ SCRIPT = textwrap.dedent("""
     kernel = triton.compile(ASTSource(greedy_walk_kernel, signature, dict(BN=16)), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=1))
     assert ".entry greedy_walk_kernel" in kernel.asm["ptx"]
+    consts = dict(EPS=1e-6, BF=32, BN=16)
+    signature = {n: "constexpr" if n in consts else "*fp32" if n == "log_p" else "i32" if n in ("D", "K", "M") else
+                 "i64" if n.startswith("stride") else "*i64" for n in ranked_tree_kernel.arg_names}
+    kernel = triton.compile(ASTSource(ranked_tree_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=1))
+    assert ".entry ranked_tree_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

@@ -80,6 +80,30 @@ def test_tree_holds_the_best_nodes_by_path_score():
             assert all(kept[tree.parents[lane, n]] for n in range(1, budget) if kept[n])
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_ranked_tree_kernel_builds_the_reference_trees(ties):
+    """ops/tree/build.py (one launch, a best-first search per lane) builds build_ranked_tree's trees to the
+    last field: random candidates, and candidates whose log-probabilities tie (rounded to a coarse grid,
+    as a scripted drafter's equal logits do), at several budgets."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from deltaflash.ops.tree.build import ranked_tree, ranked_tree_kernel
+    if not isinstance(ranked_tree_kernel, InterpretedFunction):
+        pytest.skip("the tree kernel on CPU needs TRITON_INTERPRET=1 before import")
+    g = torch.Generator().manual_seed(5)
+    L, D, V, k = 6, 7, 50, 3
+    log_p, tokens = (3 * torch.randn(L, D, V, generator=g)).log_softmax(-1).topk(k, dim=-1)
+    if ties:
+        log_p = (log_p * 2).round() / 2
+    anchors = torch.randint(V, (L,), generator=g)
+    for budget in (2, 5, 16, 23):
+        want = tree_module.build_ranked_tree(log_p, tokens, anchors, budget)
+        got = ranked_tree(log_p, tokens, anchors, budget)
+        for name, a, b in zip(("tokens", "parents", "depth", "rank", "order"), got, want):
+            assert torch.equal(a, b), f"budget {budget}: {name} differs"
+    assert ties or (want[2] > 1).any()
+
+
 def test_dflash2_tree_follows_the_selector_walk(pairs):
     """The rank-0 path of a DFlash2 tree is the selector's own greedy walk (scores given the parent token)."""
     from deltaflash.models.dflash import load_drafter
@@ -146,10 +170,10 @@ def test_greedy_acceptance_walks_to_the_argmax_child():
 
 
 def walk_kernel():
-    """The one-launch greedy walk (ops/accept): interpreted on CPU, or on CUDA."""
+    """The one-launch greedy walk (ops/tree): interpreted on CPU, or on CUDA."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from deltaflash.ops.accept.greedy_walk import greedy_walk, greedy_walk_kernel
+    from deltaflash.ops.tree.greedy_walk import greedy_walk, greedy_walk_kernel
     if not isinstance(greedy_walk_kernel, InterpretedFunction):
         pytest.skip("the walk kernel on CPU needs TRITON_INTERPRET=1 before import")
     return greedy_walk
@@ -376,14 +400,17 @@ def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch, rout
         torch.testing.assert_close(tree.pool.conv_history[0], plain.pool.conv_history[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, variant):
+@pytest.mark.parametrize("variant,kernels", [("dflash", None), ("dflash2", None), ("dflash", "triton")])
+def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, variant, kernels):
     """What the drafter's tree graph captures on CUDA (the block forward over whole tables, then
-    build_tree, returned as tensors) gives the trees eager drafting builds."""
+    build_tree, returned as tensors) gives the trees eager drafting builds; with the Triton kernel set
+    (interpreted on CPU), DFlash trees come from ops/tree/build.py's kernel: the torch reference's trees."""
     from deltaflash.core.request import Status
 
+    if kernels == "triton" and not torch.cuda.is_available():
+        walk_kernel()  # (skips unless the kernels are interpreted)
     target, draft = pairs[("dense_gqa", variant)]
-    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3)
+    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, **({"kernels": kernels} if kernels else {}))
     source = engine.runner.source
     assert source.tree == (8, 3)
     assert (source.tree_graphs is None) == (engine.device.type == "cpu")  # graphs on CUDA only
@@ -402,3 +429,9 @@ def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, varian
     for name in ("tokens", "parents", "depth", "rank", "order", "valid"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
     assert (graphed.max_depth, graphed.top_k) == (eager.max_depth, eager.top_k)
+    if kernels == "triton":
+        assert source.build_ranked is not tree_module.build_ranked_tree
+        logits = source._block(seqs, slot_ids, anchors, start)[1]
+        reference = tree_module.build_ranked_tree(*tree_module.dflash_candidates(logits, 3), anchors, 8)
+        for name, want in zip(("tokens", "parents", "depth", "rank", "order"), reference):
+            assert torch.equal(getattr(eager, name), want), name

@@ -149,7 +149,8 @@ class ModelRunner:
             drafter.use_kernels(self.kernels.plain_rms_norm if fused else None, self.kernels.rope if fused else None)
             draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory,
                                         self.kernels.paged_attention,
-                                        (config.tree_budget, config.tree_top_k) if config.tree_budget else None)
+                                        (config.tree_budget, config.tree_top_k) if config.tree_budget else None,
+                                        self.kernels.build_ranked_tree)
         self.source = draft_source
         self.penalty_history = PenaltyHistory(config.max_slots, self.cfg.vocab_size, self.device)
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()

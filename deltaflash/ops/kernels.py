@@ -38,6 +38,7 @@ class Kernels:
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
     move_tree_rows: Callable          # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
     greedy_tree_walk: Callable        # (tree, greedy_next, depth_limit) -> (path [L, D], last [L]): greedy acceptance
+    build_ranked_tree: Callable       # (log_p, tokens, anchors, budget) -> (tokens, parents, depth, rank, order): DFlash trees
     # (q, k, v, scale): causal attention of a prefill chunk that starts its sequences, over its own K/V
     # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
     # (a batch-invariant engine: the paged kernel's tiles do not follow the shape)
@@ -96,6 +97,7 @@ def reference_kernels() -> Kernels:
         zero_centered_rms_norm_ref,
     )
     from deltaflash.ops.rope.naive import apply_rope_ref
+    from deltaflash.speculative.tree import build_ranked_tree as build_ranked_tree_ref
     from deltaflash.speculative.tree import greedy_walk as greedy_walk_ref
 
     return Kernels(
@@ -114,12 +116,14 @@ def reference_kernels() -> Kernels:
         paged_attention=paged_attention_ref,
         move_tree_rows=move_tree_rows_ref,
         greedy_tree_walk=greedy_walk_ref,
+        build_ranked_tree=build_ranked_tree_ref,
         prefill_attention=causal_block_attention,
     )
 
 
 def triton_kernels() -> Kernels:
-    from deltaflash.ops.accept.greedy_walk import greedy_walk
+    from deltaflash.ops.tree.build import ranked_tree
+    from deltaflash.ops.tree.greedy_walk import greedy_walk
     from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.paged import paged_attention
@@ -152,6 +156,7 @@ def triton_kernels() -> Kernels:
         paged_attention=paged_attention,
         move_tree_rows=move_tree_rows,
         greedy_tree_walk=greedy_walk,
+        build_ranked_tree=ranked_tree,
         prefill_attention=causal_block_attention,
     )
 

@@ -27,7 +27,14 @@ from deltaflash.models.vocab import Vocab
 from deltaflash.ops.attention.naive import paged_attention_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
-from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_children, ranked_children
+from deltaflash.speculative.tree import (
+    DraftTree,
+    build_ranked_tree,
+    build_tree,
+    dflash2_children,
+    dflash_candidates,
+    ranked_children,
+)
 
 # (name, fn, per-lane input specs [(shape, dtype, padding value)]) -> an object whose `run(*inputs)`
 # replays fn from CUDA graphs (None when no graph fits), or None: the runner's graph factory
@@ -67,18 +74,19 @@ def pad_rows(slot_ids: Tensor, positions: Tensor, taps: Tensor, width: int) -> t
 class DFlashSource:
     def __init__(self, drafter, vocab: Vocab, tables: BlockTables,
                  block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref,
-                 tree: tuple[int, int] | None = None):
+                 tree: tuple[int, int] | None = None, build_ranked: Callable = build_ranked_tree):
         """vocab: the target's embedding and lm_head (models/vocab.py). tables: the target's block tables (the context lives in pages of the same ids). block_size: the
         verify width W (default: the drafter's own). graph_factory: when given, the block forward and the
         context append replay CUDA graphs per lane bucket (the reference attention then reads the whole
         table, a fixed shape; the Triton kernel reads each lane's own length). attend: the paged
         attention op of the engine's kernel set. tree: (budget, top_k) of the engine's draft trees: with
-        graphs, the block forward and the tree built from it (about a hundred small ops) replay as one."""
+        graphs, the block forward and the tree built from it (about a hundred small ops) replay as one.
+        build_ranked: the kernel set's build_ranked_tree (DFlash trees)."""
         self.drafter, self.vocab = drafter, vocab
         c = drafter.config
         self.block_size = block_size or c.block_size
         self.tap_layer_ids = tuple(c.target_layer_ids)
-        self.attend = attend
+        self.attend, self.build_ranked = attend, build_ranked
         self.context = DraftContextCache(tables, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                          head_dim=c.head_dim, dtype=drafter.dtype, device=vocab.device)
         self.block_graphs = self.append_graphs = None
@@ -155,11 +163,14 @@ class DFlashSource:
         return self._as_tree(self._tree_nodes(slot_ids, anchors, start))
 
     def _build(self, hidden, logits, slot_ids, anchors, budget: int, top_k: int) -> DraftTree:
+        anchors = torch.where(slot_ids < 0, 0, anchors)
         if self.drafter.config.variant == "dflash2":
             children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)
-        else:
-            children = dflash_children(logits, top_k)
-        return build_tree(children, torch.where(slot_ids < 0, 0, anchors), self.block_size - 1, budget, top_k)
+            return build_tree(children, anchors, self.block_size - 1, budget, top_k)
+        log_p, tokens = dflash_candidates(logits[:, :self.block_size - 1], top_k)
+        nodes = self.build_ranked(log_p, tokens, anchors, budget)
+        return DraftTree(*nodes, valid=torch.ones_like(nodes[0], dtype=torch.bool),
+                         max_depth=min(self.block_size - 1, budget - 1), top_k=top_k)
 
     def _tree_nodes(self, slot_ids, anchors, start) -> tuple[Tensor, ...]:
         """The configured tree of every lane as tensors (what the tree graph captures): the block forward

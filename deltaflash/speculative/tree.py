@@ -86,7 +86,9 @@ def build_tree(child_scores: ChildScores, anchors: Tensor, depths: int, budget: 
         log_p, child_tokens = child_scores(d, tokens)  # [L, P, k]
         k = log_p.shape[-1]
         children = (score[:, :, None] + log_p.float() - EPS).flatten(1)
-        score, pick = children.topk(min(M, children.shape[1]), dim=1)  # best first
+        # best first; equal scores keep the earlier parent, then the lower rank (a stable sort: the order
+        # ops/tree/build.py's kernel reproduces)
+        score, pick = (x[:, :M] for x in children.sort(dim=1, descending=True, stable=True))
         tokens = child_tokens.flatten(1).gather(1, pick)
         parent = torch.full_like(pick, -1) if d == 1 else start + pick // k
         parts.append((score, parent, tokens, pick % k, torch.full_like(pick, d)))
@@ -94,7 +96,7 @@ def build_tree(child_scores: ChildScores, anchors: Tensor, depths: int, budget: 
     # the global id of a candidate node is its place in the depth-major concatenation of the parts
     scores, parents, node_tokens, ranks, depth = (torch.cat(x, dim=1) for x in zip(*parts))
     assert scores.shape[1] >= M, f"a tree of {budget} nodes needs more candidates ({scores.shape[1]} + 1)"
-    chosen = scores.topk(M, dim=1).indices  # by path score
+    chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :M]  # by path score, then depth
     ids, score_order = chosen.sort(dim=1)  # depth-major: parents before children
     node_of = torch.full_like(scores, -1, dtype=torch.long)
     node_of[lanes, ids] = torch.arange(1, M + 1, device=device).expand(L, M)
@@ -108,15 +110,29 @@ def build_tree(child_scores: ChildScores, anchors: Tensor, depths: int, budget: 
                      top_k=top_k)
 
 
+def build_ranked_tree(log_p: Tensor, tokens: Tensor, anchors: Tensor, budget: int) -> tuple[Tensor, ...]:
+    """build_tree over ranked_children (DFlash's candidates, whatever the parent: log_p, tokens [L, D, k],
+    best first) as (tokens, parents, depth, rank, order) [L, budget]: the reference of the kernel sets'
+    build_ranked_tree (ops/tree/build.py builds the same trees in one launch)."""
+    L, D, k = log_p.shape
+    tree = build_tree(ranked_children(log_p, tokens), anchors, D, budget, k)
+    return tree.tokens, tree.parents, tree.depth, tree.rank, tree.order
+
+
 def max_nodes(depths: int, top_k: int, budget: int) -> int:
     """How many nodes `build_tree` can find: the anchor and, per depth, min(budget - 1, top_k ** d)."""
     return 1 + sum(min(budget - 1, top_k ** d) for d in range(1, depths + 1))
 
 
-def dflash_children(logits: Tensor, top_k: int) -> ChildScores:
+def dflash_candidates(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """DFlash: depth d's candidates are the top_k of the drafter's log-softmax at block slot d
-    (logits [L, B-1, V] of slots 1..B-1), whatever the parent."""
-    return ranked_children(*logits.float().log_softmax(dim=-1).topk(top_k, dim=-1))
+    (logits [L, B-1, V] of slots 1..B-1), whatever the parent: (log_p, tokens) [L, B-1, top_k]."""
+    return logits.float().log_softmax(dim=-1).topk(top_k, dim=-1)
+
+
+def dflash_children(logits: Tensor, top_k: int) -> ChildScores:
+    """DFlash's candidates (dflash_candidates) as child scores."""
+    return ranked_children(*dflash_candidates(logits, top_k))
 
 
 def ranked_children(log_p: Tensor, tokens: Tensor) -> ChildScores:

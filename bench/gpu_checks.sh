@@ -7,7 +7,7 @@
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
-# longctxfast graphlaunch roundgraphs treestep treegraphs randomdraft verifytrees (tp: the 27B shape's round at TP 1 and
+# longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -117,6 +117,12 @@ for step in "$@"; do
                                 --out "$OUT/treegraphs$budget${flag:+-rg}" --quiet
                         done
                     done ;;
+        treepair) for run in 1 2; do  # issue 17 at low load: chain and tree of 16 with round graphs, alternating
+                      for budget in 0 16; do
+                          run treepair 120 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 \
+                              --tree-budget $budget --round-graphs --no-profile --out "$OUT/treepair$budget-$run" --quiet
+                      done
+                  done ;;
         treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees
                       run treedemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
                           --tree-budget $budget --no-profile --out "$OUT/tree$budget" --quiet

@@ -113,7 +113,7 @@ for step in "$@"; do
         treegraphs) for budget in 0 16; do  # issue 17 side by side: chain vs tree, greedy round graphs on and off
                         for flag in "" --round-graphs; do
                             run treegraphs 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 \
-                                --concurrency 1 4 16 --tree-budget $budget $flag --no-profile \
+                                --concurrency 1 4 16 --tree-budget $budget --tree-max-lanes 0 $flag --no-profile \
                                 --out "$OUT/treegraphs$budget${flag:+-rg}" --quiet
                         done
                     done ;;
@@ -125,7 +125,7 @@ for step in "$@"; do
                   done ;;
         treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees
                       run treedemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
-                          --tree-budget $budget --no-profile --out "$OUT/tree$budget" --quiet
+                          --tree-budget $budget --tree-max-lanes 0 --no-profile --out "$OUT/tree$budget" --quiet
                   done ;;
         model) run model 420 python3 -m deltaflash bench model --decode-batches 1 8 --json "$OUT/model.json" ;;
         ttft) for off in 0 1; do  # one 173-token prompt's TTFT with prefill graphs and without (demo pair)

@@ -219,7 +219,7 @@ def test_a_round_reads_the_device_once(pairs, name, tree_budget, monkeypatch):
     """Drafting (a chain or a tree), verify, acceptance of greedy and sampled lanes (top-k / top-p
     included), commit and the new draft context: one read of the results, whatever the lanes want."""
     target_dir, draft_dir = pairs[name]
-    engine = engine_for(target_dir, draft_dir, tree_budget=tree_budget)
+    engine = engine_for(target_dir, draft_dir, tree_budget=tree_budget, tree_max_lanes=0)
     vocab = engine.cfg.vocab_size
     params = [GREEDY, SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.8, top_k=9, seed=3, ignore_eos=True),
               SamplingParams(max_new_tokens=30, temperature=1.2, seed=4, ignore_eos=True)]

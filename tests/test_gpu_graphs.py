@@ -253,7 +253,8 @@ def test_drafter_tree_graphs_are_lossless_and_build_the_eager_trees(tmp_path):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     expected = [c.token_ids for c in Engine(model, config=EngineConfig(max_slots=4, max_model_len=256)).generate(
         prompts, params)[0]]
-    spec = Engine(model, None, drafter, EngineConfig(max_slots=4, max_model_len=256, tree_budget=8, tree_top_k=3))
+    spec = Engine(model, None, drafter, EngineConfig(max_slots=4, max_model_len=256, tree_budget=8, tree_top_k=3,
+                                                     tree_max_lanes=0))
     source = spec.runner.source
     assert source.tree_graphs is not None and "drafter tree of 8" in {f.name for f in spec.runner.graphs.functions}
     assert [c.token_ids for c in spec.generate(prompts, params)[0]] == expected
@@ -340,7 +341,7 @@ def test_greedy_tree_round_graphs_are_lossless_and_replace_the_round_s_launches(
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 23, 40)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    config = dict(max_slots=4, max_model_len=256, speculation="fixed", tree_budget=8, tree_top_k=3)
+    config = dict(max_slots=4, max_model_len=256, speculation="fixed", tree_budget=8, tree_top_k=3, tree_max_lanes=0)
     expected = [c.token_ids for c in Engine(model, config=EngineConfig(max_slots=4, max_model_len=256)).generate(
         prompts, params)[0]]
     ordinary = Engine(model, None, drafter, EngineConfig(**config)).generate(prompts, params)[0]

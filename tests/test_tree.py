@@ -11,6 +11,7 @@ import deltaflash.engine.runner as runner_module
 from deltaflash.core.request import SamplingParams
 from deltaflash.errors import DeltaflashError
 from deltaflash.models.loader import load_model
+from deltaflash.ops.tree import naive as tree_naive
 from deltaflash.speculative import tree as tree_module
 from deltaflash.speculative.acceptance import Accepted
 from deltaflash.speculative.draft import _select_candidates
@@ -97,7 +98,7 @@ def test_ranked_tree_kernel_builds_the_reference_trees(ties):
         log_p = (log_p * 2).round() / 2
     anchors = torch.randint(V, (L,), generator=g)
     for budget in (2, 5, 16, 23):
-        want = tree_module.build_ranked_tree(log_p, tokens, anchors, budget)
+        want = tree_naive.build_ranked_tree_ref(log_p, tokens, anchors, budget)
         got = ranked_tree(log_p, tokens, anchors, budget)
         for name, a, b in zip(("tokens", "parents", "depth", "rank", "order"), got, want):
             assert torch.equal(a, b), f"budget {budget}: {name} differs"
@@ -213,7 +214,7 @@ def test_greedy_walks_take_the_lower_ranked_of_equal_siblings():
                      rank=torch.tensor([[0, 1, 0, 0, 0]]), order=torch.arange(5)[None],
                      valid=torch.ones(1, 5, dtype=torch.bool), max_depth=2, top_k=2)
     greedy_next = torch.tensor([[7, 3, 3, 0, 0]])
-    for walk in (tree_module.greedy_walk, walk_kernel()):
+    for walk in (tree_naive.greedy_walk, walk_kernel()):
         path, last = walk(tree, greedy_next, torch.tensor([2]))
         assert path.tolist() == [[2, 4]] and last.tolist() == [4]
 
@@ -248,7 +249,8 @@ def test_greedy_tree_speculation_equals_target_only(pairs, kind, variant, lanes)
     batch = prompts(96, [3, 11, 17, 8, 5, 2, 9, 13][:lanes], seed=lanes)
     plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64, page_size=4), batch)]
     for budget in (5, 16):
-        tree = engine_for(target, draft, tree_budget=budget, tree_top_k=3, max_model_len=64, page_size=4)
+        tree = engine_for(target, draft, tree_budget=budget, tree_top_k=3, tree_max_lanes=0, max_model_len=64,
+                          page_size=4)
         assert [c.token_ids for c in greedy(tree, batch)] == plain
 
 
@@ -265,7 +267,8 @@ def test_scripted_trees_accept_off_the_top1_chain_and_stay_exact(pairs, monkeypa
         for budget in (0, 16):
             off_chain = record_off_chain(monkeypatch)
             source = ScriptedSource(scripts, BLOCK, 96, corrupt=0.3, seed=7)
-            engine = engine_for(target, draft_source=source, tree_budget=budget, max_model_len=64, page_size=4)
+            engine = engine_for(target, draft_source=source, tree_budget=budget, tree_max_lanes=0, max_model_len=64,
+                                page_size=4)
             done = greedy(engine, batch, **rules)
             assert [c.token_ids for c in done] == plain
             accepted = [n for c in done for n in c.accepted_lengths]
@@ -281,7 +284,7 @@ def test_per_request_budgets_in_a_tree_round(pairs):
     batch = prompts(96, [4, 9, 6], seed=6)
     plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64), batch)]
     source = ScriptedSource({tuple(p): out for p, out in zip(batch, plain)}, BLOCK, 96, corrupt=0.2, seed=3)
-    engine = engine_for(target, draft_source=source, tree_budget=12, max_model_len=64)
+    engine = engine_for(target, draft_source=source, tree_budget=12, tree_max_lanes=0, max_model_len=64)
     budgets = [None, 1, 4]
     done, _ = engine.generate(batch, [SamplingParams(max_new_tokens=20, ignore_eos=True, tree_budget=b) for b in budgets])
     assert [c.token_ids for c in done] == plain
@@ -338,12 +341,30 @@ def test_sampled_tree_speculation_keeps_the_target_distribution(peaked, monkeypa
     target, draft = peaked
     plain = sampled(engine_for(target, max_slots=64), 0)
     off_chain = record_off_chain(monkeypatch)
-    trees = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3), 100_000)
+    trees = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3, tree_max_lanes=0), 100_000)
     assert min(p_values(plain, trees)) > 1e-3
     assert sum(off_chain) > 0  # sampled walks accepted candidates other than the best
     monkeypatch.setattr(runner_module, "accept_tree", accept_first_child)
-    broken = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3), 200_000)
+    broken = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3, tree_max_lanes=0), 200_000)
     assert min(p_values(plain, broken)) < 1e-4
+
+
+def test_rounds_of_more_lanes_than_tree_max_lanes_verify_chains(pairs, monkeypatch):
+    """With tree_max_lanes 1 (the default), a round of two lanes verifies top-1 chains of the block and a
+    round of one lane a tree; the outputs are target-only greedy's either way."""
+    target, draft = pairs[("dense_gqa", "dflash")]
+    batch = prompts(96, [3, 11], seed=5)
+    plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64, page_size=4), batch)]
+    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, max_model_len=64, page_size=4)
+    assert engine.config.tree_max_lanes == 1 and engine.runner.widths == (1, BLOCK)
+    rounds, real_round = [], engine.runner._round
+    monkeypatch.setattr(engine.runner, "_round", lambda plan: (rounds.append((len(plan.decode), plan.tree_budget,
+                                                                             plan.round_width)), real_round(plan))[1])
+    done = engine.generate(batch, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 20)])[0]
+    speculative = [r for r in rounds if r[2] > 1]
+    assert {r for r in speculative if r[0] == 2} and all(r[1:] == (0, BLOCK) for r in speculative if r[0] == 2)
+    assert {r for r in speculative if r[0] == 1} and all(r[1:] == (8, 8) for r in speculative if r[0] == 1)
+    assert [c.token_ids for c in done] == [plain[0][:8], plain[1]]
 
 
 def test_tree_options_are_checked(pairs):
@@ -430,8 +451,8 @@ def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, varian
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
     assert (graphed.max_depth, graphed.top_k) == (eager.max_depth, eager.top_k)
     if kernels == "triton":
-        assert source.build_ranked is not tree_module.build_ranked_tree
+        assert source.build_ranked is not tree_naive.build_ranked_tree_ref
         logits = source._block(seqs, slot_ids, anchors, start)[1]
-        reference = tree_module.build_ranked_tree(*tree_module.dflash_candidates(logits, 3), anchors, 8)
+        reference = tree_naive.build_ranked_tree_ref(*tree_module.dflash_candidates(logits, 3), anchors, 8)
         for name, want in zip(("tokens", "parents", "depth", "rank", "order"), reference):
             assert torch.equal(getattr(eager, name), want), name

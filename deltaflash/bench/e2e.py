@@ -85,7 +85,8 @@ def _demo_workload(args, max_slots: int) -> Workload:
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     config = EngineConfig(max_slots=max_slots, block_size=args.block_size, tree_budget=args.tree_budget,
-                          tree_top_k=args.tree_top_k, speculation=args.speculation, batch_invariant=args.batch_invariant,
+                          tree_top_k=args.tree_top_k, tree_max_lanes=args.tree_max_lanes, speculation=args.speculation,
+                          batch_invariant=args.batch_invariant,
                           max_model_len=args.max_model_len, round_graphs=args.round_graphs)  # the serve defaults otherwise
 
     def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
@@ -99,7 +100,8 @@ def _demo_workload(args, max_slots: int) -> Workload:
                     SamplingParams(max_new_tokens=args.max_new_tokens), engine,
                     args.block_size or drafter.config.block_size,
                     meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation},
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
+                          "tree_max_lanes": args.tree_max_lanes, "speculation": args.speculation},
                     device=device)
 
 
@@ -122,7 +124,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant,
                           max_model_len=args.max_model_len)  # the serve defaults otherwise
     spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                                      speculation=args.speculation)
+                                      tree_max_lanes=args.tree_max_lanes, speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
     # the script: the target's own greedy continuation of every prompt, recorded before any timing
     recorder = Engine(model, None, None, config)
@@ -145,7 +147,8 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     label = f"scripted drafter (target's greedy continuation, {corrupt:.1%} corrupted, expected tau {tau:.2f}), {shape}"
     return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
                     meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "speculation": args.speculation,
+                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
+                          "tree_max_lanes": args.tree_max_lanes, "speculation": args.speculation,
                           "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth}, device=device)
 
 
@@ -389,6 +392,8 @@ def register(sub) -> None:
     p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
                    help="round widths chosen by load and acceptance, always the block, or auto: adaptive on CPU, fixed on CUDA")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
+    p.add_argument("--tree-max-lanes", type=int, default=1,
+                   help="with --tree-budget: rounds of more lanes verify chains (0: trees at every load)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's products through the batch-invariant GEMM (ops/gemm) in both modes")
     p.add_argument("--round-graphs", action="store_true",

@@ -29,8 +29,8 @@ def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
     engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, max_num_batched_tokens=4096,
-                                                    kernels=kernels, tree_budget=tree_budget), draft_source=source,
-                    tensor_parallel=tensor_parallel)
+                                                    kernels=kernels, tree_budget=tree_budget, tree_max_lanes=0),
+                    draft_source=source, tensor_parallel=tensor_parallel)
     gen = torch.Generator().manual_seed(lanes)
     for _ in range(lanes):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()

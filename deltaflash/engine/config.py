@@ -49,6 +49,10 @@ class EngineConfig:
     tree_budget: 0 = speculate with the drafter's top-1 chain; N >= 2 = with trees of N nodes (the anchor
         included) built from the block's per-depth candidates (speculative/tree.py), N rows per lane.
     tree_top_k: candidates per depth a tree may branch into.
+    tree_max_lanes: with trees, a round of more decoding lanes than this verifies the top-1 chains (the block)
+        instead (0: trees at every load). A tree's extra rows cost little beside one lane's round and more
+        than they accept once lanes share it: on the H200 the demo pair's tree of 16 beat the chain 1.10x at
+        one client and lost 0.75x at four (docs/benchmarks.md, twenty-first session).
     speculation: "adaptive" = each round verifies the width (1, powers of two, the block) that maximises
         expected tokens per second from the lanes' acceptance so far and the measured cost of a round
         (speculative/policy.py); "fixed" = always the block; "auto" = adaptive on CPU, fixed on CUDA
@@ -86,6 +90,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tree_budget: int = 0
     tree_top_k: int = 4
+    tree_max_lanes: int = 1
     speculation: str = "auto"
     block_size: int = 0
     kernels: str = "auto"
@@ -146,6 +151,8 @@ class EngineConfig:
 
             if block < 2:
                 raise DeltaflashError(f"tree_budget {self.tree_budget} needs a drafter (--draft)")
+            if self.tree_max_lanes < 0:
+                raise DeltaflashError(f"tree_max_lanes must be >= 0, got {self.tree_max_lanes}")
             if not 2 <= self.tree_budget <= 64 or self.tree_top_k < 1:
                 raise DeltaflashError(f"tree_budget must be 0 or in [2, 64] and tree_top_k >= 1, got "
                                       f"{self.tree_budget} and {self.tree_top_k}")
@@ -170,6 +177,18 @@ class EngineConfig:
         if self.tree_budget:
             return (1, self.tree_budget)
         return allowed_widths(self.block_size) if self.adaptive else tuple(sorted({1, self.block_size}))
+
+    @property
+    def chain_widths(self) -> tuple[int, ...]:
+        """The chain widths rounds may verify (each has a CUDA graph; trees have their own): with trees, the
+        block when rounds of more than tree_max_lanes lanes fall back to chains."""
+        if self.tree_budget:
+            return (1, self.block_size) if self.tree_max_lanes else (1,)
+        return self.widths
+
+    def trees_for(self, lanes: int) -> bool:
+        """Whether a speculative round of `lanes` decoding lanes verifies trees."""
+        return bool(self.tree_budget) and (not self.tree_max_lanes or lanes <= self.tree_max_lanes)
 
     @property
     def reach(self) -> int:

@@ -133,7 +133,8 @@ class Scheduler:
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill,
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width,
-                        tree_budget=self.config.tree_budget if round_width > 1 else 0)
+                        tree_budget=self.config.tree_budget if round_width > 1 and self.config.trees_for(len(decode))
+                        else 0)
 
     def width(self, seq: Sequence) -> int:
         """Most rows the sequence may verify this round: the block, or fewer when fewer tokens are left."""
@@ -141,7 +142,8 @@ class Scheduler:
 
     def widths(self, decode: list[Sequence]) -> tuple[list[int], int]:
         """(each lane's width: 1 + the drafts it may accept, the round's rows per lane): the policy's
-        choice, or every lane at its most and the block (a tree's nodes) when any speculates."""
+        choice, or every lane at its most and the block (a tree's nodes, when the round's lanes are few
+        enough for trees: config.trees_for) when any speculates."""
         if self.config.block_size <= 1:  # no drafter: every lane decodes one row
             return [1] * len(decode), 1
         caps = [self.width(s) for s in decode]
@@ -150,7 +152,7 @@ class Scheduler:
             return lanes, round_width
         if not any(w > 1 for w in caps):
             return caps, 1
-        return caps, self.config.tree_budget or self.config.block_size
+        return caps, self.config.tree_budget if self.config.trees_for(len(decode)) else self.config.block_size
 
     def reach(self, round_width: int) -> int:
         """Positions past its committed length that a round of `round_width` rows writes for every lane

@@ -97,8 +97,8 @@ def reference_kernels() -> Kernels:
         zero_centered_rms_norm_ref,
     )
     from deltaflash.ops.rope.naive import apply_rope_ref
-    from deltaflash.speculative.tree import build_ranked_tree as build_ranked_tree_ref
-    from deltaflash.speculative.tree import greedy_walk as greedy_walk_ref
+    from deltaflash.ops.tree.naive import build_ranked_tree_ref
+    from deltaflash.ops.tree.naive import greedy_walk as greedy_walk_ref
 
     return Kernels(
         name="reference",

@@ -25,16 +25,10 @@ from deltaflash.core.batch import to_device
 from deltaflash.core.request import Sequence as Seq
 from deltaflash.models.vocab import Vocab
 from deltaflash.ops.attention.naive import paged_attention_ref
+from deltaflash.ops.tree.naive import build_ranked_tree_ref, ranked_children
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
-from deltaflash.speculative.tree import (
-    DraftTree,
-    build_ranked_tree,
-    build_tree,
-    dflash2_children,
-    dflash_candidates,
-    ranked_children,
-)
+from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_candidates
 
 # (name, fn, per-lane input specs [(shape, dtype, padding value)]) -> an object whose `run(*inputs)`
 # replays fn from CUDA graphs (None when no graph fits), or None: the runner's graph factory
@@ -74,14 +68,16 @@ def pad_rows(slot_ids: Tensor, positions: Tensor, taps: Tensor, width: int) -> t
 class DFlashSource:
     def __init__(self, drafter, vocab: Vocab, tables: BlockTables,
                  block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref,
-                 tree: tuple[int, int] | None = None, build_ranked: Callable = build_ranked_tree):
+                 tree: tuple[int, int] | None = None, build_ranked: Callable = build_ranked_tree_ref,
+                 chains: bool = True):
         """vocab: the target's embedding and lm_head (models/vocab.py). tables: the target's block tables (the context lives in pages of the same ids). block_size: the
         verify width W (default: the drafter's own). graph_factory: when given, the block forward and the
         context append replay CUDA graphs per lane bucket (the reference attention then reads the whole
         table, a fixed shape; the Triton kernel reads each lane's own length). attend: the paged
         attention op of the engine's kernel set. tree: (budget, top_k) of the engine's draft trees: with
         graphs, the block forward and the tree built from it (about a hundred small ops) replay as one.
-        build_ranked: the kernel set's build_ranked_tree (DFlash trees)."""
+        build_ranked: the kernel set's build_ranked_tree (DFlash trees). chains: whether an engine of trees
+        also drafts chains (its rounds of many lanes): the block forward's graphs are captured then too."""
         self.drafter, self.vocab = drafter, vocab
         c = drafter.config
         self.block_size = block_size or c.block_size
@@ -93,7 +89,7 @@ class DFlashSource:
         if graph_factory is not None:
             W, taps = self.block_size, len(self.tap_layer_ids) * c.hidden_size
             lane = ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0)
-            if tree is None:  # tree rounds draft through the tree graph below (chains are never drafted then)
+            if tree is None or chains:  # tree rounds draft through the tree graph below
                 self.block_graphs = graph_factory("drafter block", self._block_shares, lane)
             rows = ((W,), torch.long, -1), ((W,), torch.long, 0), ((W, taps), vocab.dtype, 0)
             self.append_graphs = graph_factory("drafter context append", self._append_rows, rows)

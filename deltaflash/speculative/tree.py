@@ -22,7 +22,6 @@ Acceptance walks each lane from the root, on the device, without a host sync:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +29,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from deltaflash.core.batch import ancestor_mask
+from deltaflash.ops.tree.naive import ChildScores, build_tree_nodes, greedy_walk, ranked_children
 from deltaflash.speculative.acceptance import Accepted, with_logprobs
 from deltaflash.speculative.sampling import STREAM_ACCEPT, STREAM_TOKEN, LaneSampling, lane_probs, sample_from, uniform_noise
-
-EPS = 1e-6  # path score lost per depth: a child never ties its parent
-
-# child_scores(d, parent_tokens [L, P]) -> (log-probabilities [L, P, k], tokens [L, P, k]) of the
-# depth-d children (d = 1..depths) of P parent nodes
-ChildScores = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -75,48 +69,12 @@ class DraftTree:
 
 
 def build_tree(child_scores: ChildScores, anchors: Tensor, depths: int, budget: int, top_k: int) -> DraftTree:
-    """Trees of `budget` nodes (the anchor included) over `depths` draft depths; see the module docstring.
-    anchors [L] long. Needs budget - 1 <= sum over d of min(budget - 1, top_k ** d)."""
-    L, device = anchors.shape[0], anchors.device
-    M = budget - 1
-    lanes = torch.arange(L, device=device)[:, None]
-    score, tokens, parts = torch.zeros(L, 1, device=device), anchors[:, None], []
-    start = total = 0  # global id of the previous depth's first node; nodes so far
-    for d in range(1, depths + 1):
-        log_p, child_tokens = child_scores(d, tokens)  # [L, P, k]
-        k = log_p.shape[-1]
-        children = (score[:, :, None] + log_p.float() - EPS).flatten(1)
-        # best first; equal scores keep the earlier parent, then the lower rank (a stable sort: the order
-        # ops/tree/build.py's kernel reproduces)
-        score, pick = (x[:, :M] for x in children.sort(dim=1, descending=True, stable=True))
-        tokens = child_tokens.flatten(1).gather(1, pick)
-        parent = torch.full_like(pick, -1) if d == 1 else start + pick // k
-        parts.append((score, parent, tokens, pick % k, torch.full_like(pick, d)))
-        start, total = total, total + pick.shape[1]
-    # the global id of a candidate node is its place in the depth-major concatenation of the parts
-    scores, parents, node_tokens, ranks, depth = (torch.cat(x, dim=1) for x in zip(*parts))
-    assert scores.shape[1] >= M, f"a tree of {budget} nodes needs more candidates ({scores.shape[1]} + 1)"
-    chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :M]  # by path score, then depth
-    ids, score_order = chosen.sort(dim=1)  # depth-major: parents before children
-    node_of = torch.full_like(scores, -1, dtype=torch.long)
-    node_of[lanes, ids] = torch.arange(1, M + 1, device=device).expand(L, M)
-    parent_ids = parents.gather(1, ids)
-    tree_parents = torch.where(parent_ids < 0, 0, node_of.gather(1, parent_ids.clamp(min=0)))
-    zero = torch.zeros(L, 1, dtype=torch.long, device=device)
-    return DraftTree(tokens=torch.cat([anchors[:, None], node_tokens.gather(1, ids)], 1),
-                     parents=torch.cat([zero - 1, tree_parents], 1), depth=torch.cat([zero, depth.gather(1, ids)], 1),
-                     rank=torch.cat([zero, ranks.gather(1, ids)], 1), order=torch.cat([zero, score_order + 1], 1),
-                     valid=torch.ones(L, budget, dtype=torch.bool, device=device), max_depth=min(depths, M),
-                     top_k=top_k)
-
-
-def build_ranked_tree(log_p: Tensor, tokens: Tensor, anchors: Tensor, budget: int) -> tuple[Tensor, ...]:
-    """build_tree over ranked_children (DFlash's candidates, whatever the parent: log_p, tokens [L, D, k],
-    best first) as (tokens, parents, depth, rank, order) [L, budget]: the reference of the kernel sets'
-    build_ranked_tree (ops/tree/build.py builds the same trees in one launch)."""
-    L, D, k = log_p.shape
-    tree = build_tree(ranked_children(log_p, tokens), anchors, D, budget, k)
-    return tree.tokens, tree.parents, tree.depth, tree.rank, tree.order
+    """Trees of `budget` nodes (the anchor included) over `depths` draft depths; see the module docstring and
+    ops/tree/naive.build_tree_nodes. anchors [L] long. Needs budget - 1 <= sum over d of min(budget - 1,
+    top_k ** d)."""
+    tokens, parents, depth, rank, order = build_tree_nodes(child_scores, anchors, depths, budget)
+    return DraftTree(tokens=tokens, parents=parents, depth=depth, rank=rank, order=order,
+                     valid=torch.ones_like(tokens, dtype=torch.bool), max_depth=min(depths, budget - 1), top_k=top_k)
 
 
 def max_nodes(depths: int, top_k: int, budget: int) -> int:
@@ -133,17 +91,6 @@ def dflash_candidates(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
 def dflash_children(logits: Tensor, top_k: int) -> ChildScores:
     """DFlash's candidates (dflash_candidates) as child scores."""
     return ranked_children(*dflash_candidates(logits, top_k))
-
-
-def ranked_children(log_p: Tensor, tokens: Tensor) -> ChildScores:
-    """Depth d's candidates, whatever the parent: tokens [L, D, k] with log probabilities log_p [L, D, k],
-    best first (what dflash_children takes from the drafter's logits)."""
-
-    def children(d: int, parent_tokens: Tensor) -> tuple[Tensor, Tensor]:
-        P = parent_tokens.shape[1]
-        return log_p[:, d - 1, None].expand(-1, P, -1), tokens[:, d - 1, None].expand(-1, P, -1)
-
-    return children
 
 
 def dflash2_children(selector, hidden: Tensor, logits: Tensor, top_k: int) -> ChildScores:
@@ -202,30 +149,6 @@ def accept_tree(logits: Tensor, tree: DraftTree, depth_limit: Tensor, sampling: 
         return accepted
     rows = (logits if raw is None else raw)[lanes[:, None], path]  # [L, D+1, V]: the row each token came from
     return with_logprobs(accepted, rows, top_logprobs)
-
-
-def greedy_walk(tree: DraftTree, greedy_next: Tensor, depth_limit: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy acceptance without a loop over depths: a node matches when it is valid, within the lane's
-    depth limit and the target's argmax at its parent, and no sibling of lower rank matches (siblings of
-    one candidate list hold distinct tokens; the rule keeps the walk's choice if they did not); the
-    accepted nodes are those whose every node below the root matches - one path, ending at the deepest.
-    Returns (path [L, D]: the accepted nodes by depth, -1 past the last; the last accepted node [L], 0 =
-    the root)."""
-    L, N = tree.tokens.shape
-    D, device = tree.max_depth, tree.tokens.device
-    parent_next = greedy_next.gather(1, tree.parents.clamp(min=0))
-    ok = tree.valid & (tree.parents >= 0) & (tree.tokens == parent_next) & (tree.depth <= depth_limit[:, None])
-    elder = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (tree.rank[:, None, :] < tree.rank[:, :, None])
-    ok = ok & ~(elder & ok[:, None, :]).any(dim=2)  # [l, n, m]: m a matching sibling ranked before n
-    ok[:, 0] = True  # the root: the committed token
-    ancestors = tree.ancestors()
-    accepted = ~(ancestors & ~ok[:, None, :]).any(dim=2)  # [L, N]: no unmatched node on the way up
-    last = torch.where(accepted, tree.depth, -1).argmax(dim=1)  # the deepest accepted node
-    on_path = ancestors[torch.arange(L, device=device), last] & (tree.depth > 0)  # [L, N]
-    slots = torch.where(on_path, tree.depth - 1, D)  # each accepted node at its depth's column, others spare
-    path = torch.full((L, D + 1), -1, dtype=torch.long, device=device)
-    path.scatter_(1, slots, torch.where(on_path, torch.arange(N, device=device), -1).expand(L, N).contiguous())
-    return path[:, :D], last
 
 
 def _sample_walk(logits, tree: DraftTree, kids_of: Tensor, depth_limit: Tensor,

@@ -1,6 +1,6 @@
 """Draft trees of parent-independent candidates (DFlash) in one launch.
 
-Reference and contract: speculative.tree.build_ranked_tree (build_tree over ranked_children: per depth a
+Reference and contract: naive.build_ranked_tree_ref (build_tree_nodes over ranked_children: per depth a
 sort of the previous depth's best nodes' children, then a sort of all depths' - some twenty small launches
 a round). A node at depth d is a path of candidate ranks; its score is its parent's plus the log-probability
 of its rank at depth d, less EPS; the tree holds the budget - 1 best nodes under the order (score
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaflash.speculative.tree import EPS
+from deltaflash.ops.tree.naive import EPS
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def ranked_tree_kernel(log_p, cand, anchors, tokens_out, parents_out, depth_out,
 
 
 def ranked_tree(log_p: torch.Tensor, cand: torch.Tensor, anchors: torch.Tensor, budget: int):
-    """speculative.tree.build_ranked_tree's contract: log_p [L, D, K] (each depth's candidates' log
+    """naive.build_ranked_tree_ref's contract: log_p [L, D, K] (each depth's candidates' log
     probabilities, best first), cand [L, D, K] long, anchors [L] long -> (tokens, parents, depth, rank,
     order) [L, budget] long. Needs budget - 1 <= sum over d of min(budget - 1, K ** d)."""
     L, D, K = log_p.shape

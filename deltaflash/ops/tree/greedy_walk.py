@@ -1,7 +1,7 @@
 """Greedy acceptance of draft trees in one launch: each lane walks from the root to the child whose token
 is the target's argmax at the current node, while there is one.
 
-Reference and contract: speculative.tree.greedy_walk (the torch route: sibling and ancestor masks, about
+Reference and contract: naive.greedy_walk (the torch route: sibling and ancestor masks, about
 fifty small launches a round). One program per lane holds the lane's tree in registers and walks at most
 max_depth steps; at each, the matching children are the valid nodes under the current one within the
 lane's depth limit whose token is the argmax there, and the walk takes the lowest-ranked of them (the
@@ -45,7 +45,7 @@ def greedy_walk_kernel(tokens, parents, depth, rank, valid, greedy_next, depth_l
 
 
 def greedy_walk(tree, greedy_next: torch.Tensor, depth_limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculative.tree.greedy_walk's contract: tree a DraftTree of L lanes, N nodes; greedy_next [L, N]
+    """naive.greedy_walk's contract: tree a DraftTree of L lanes, N nodes; greedy_next [L, N]
     long, the target's argmax at each node; depth_limit [L]. Returns (path [L, max_depth] long, last [L])."""
     L, N = tree.tokens.shape
     D = tree.max_depth

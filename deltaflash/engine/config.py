@@ -70,8 +70,8 @@ class EngineConfig:
         DFlash drafter, one rank) replays one CUDA graph per chain width, or per tree budget - the
         drafter's block (and trees), the verify forward, acceptance, the state commit (and a tree's K/V
         moves) and the drafter's context append - instead of three graphs and ~25 eager launches (a
-        tree round: ~70); the host reads the counts and tokens as before. Opt-in until measured on the
-        GPU (engine/runner.py: _greedy_round, _greedy_tree_round).
+        tree round: ~70); the host reads the counts and tokens as before (engine/runner.py: _greedy_round,
+        _greedy_tree_round). Opt-in: measured on the demo pair only (docs/benchmarks.md).
     sync_phase_timing: sync the device between round phases (profiling: exact phase times, slower).
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
@@ -171,20 +171,12 @@ class EngineConfig:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """The verify widths rounds may use (each has a CUDA graph)."""
+        """The chain widths rounds may verify (each has a CUDA graph; a tree engine's trees have their own)."""
         from deltaflash.speculative.policy import allowed_widths
 
-        if self.tree_budget:
-            return (1, self.tree_budget)
-        return allowed_widths(self.block_size) if self.adaptive else tuple(sorted({1, self.block_size}))
-
-    @property
-    def chain_widths(self) -> tuple[int, ...]:
-        """The chain widths rounds may verify (each has a CUDA graph; trees have their own): with trees, the
-        block when rounds of more than tree_max_lanes lanes fall back to chains."""
-        if self.tree_budget:
+        if self.tree_budget:  # chains only in rounds of more than tree_max_lanes lanes (trees: their own graphs)
             return (1, self.block_size) if self.tree_max_lanes else (1,)
-        return self.widths
+        return allowed_widths(self.block_size) if self.adaptive else tuple(sorted({1, self.block_size}))
 
     def trees_for(self, lanes: int) -> bool:
         """Whether a speculative round of `lanes` decoding lanes verifies trees."""

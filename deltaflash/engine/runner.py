@@ -150,14 +150,14 @@ class ModelRunner:
             draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory,
                                         self.kernels.paged_attention,
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None,
-                                        self.kernels.build_ranked_tree, chains=len(config.chain_widths) > 1)
+                                        self.kernels.build_ranked_tree, chains=len(config.widths) > 1)
         self.source = draft_source
         self.penalty_history = PenaltyHistory(config.max_slots, self.cfg.vocab_size, self.device)
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
         # a vocabulary-parallel target's verify forward (and its graphs) returns this rank's share of the
         # logits: a round gathers them only when it needs whole rows (sampling, logit rules, logprobs, trees)
         self.shard_logits = model.vocab.sharded
-        self.widths = config.chain_widths  # (trees: their own graphs)
+        self.widths = config.widths  # chain widths (trees: their own graphs)
         self.verify_graphs = {}
         self.decode_graphs = None  # width-1 rounds: the verify forward and the commit of its row, one graph
         if self.graphs is not None:

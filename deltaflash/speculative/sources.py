@@ -164,9 +164,7 @@ class DFlashSource:
             children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)
             return build_tree(children, anchors, self.block_size - 1, budget, top_k)
         log_p, tokens = dflash_candidates(logits[:, :self.block_size - 1], top_k)
-        nodes = self.build_ranked(log_p, tokens, anchors, budget)
-        return DraftTree(*nodes, valid=torch.ones_like(nodes[0], dtype=torch.bool),
-                         max_depth=min(self.block_size - 1, budget - 1), top_k=top_k)
+        return DraftTree.of(self.build_ranked(log_p, tokens, anchors, budget), self.block_size - 1, top_k)
 
     def _tree_nodes(self, slot_ids, anchors, start) -> tuple[Tensor, ...]:
         """The configured tree of every lane as tensors (what the tree graph captures): the block forward

@@ -62,6 +62,13 @@ class DraftTree:
         """[L, N, N] bool: [l, n, m] = m is n or an ancestor of n."""
         return ancestor_mask(self.parents)
 
+    @staticmethod
+    def of(nodes: tuple[Tensor, ...], depths: int, top_k: int) -> "DraftTree":
+        """Whole trees (every node valid) from (tokens, parents, depth, rank, order) [L, N] over `depths`
+        draft depths, as build_tree_nodes and the kernel sets' build_ranked_tree return them."""
+        return DraftTree(*nodes, valid=torch.ones_like(nodes[0], dtype=torch.bool),
+                         max_depth=min(depths, nodes[0].shape[1] - 1), top_k=top_k)
+
     def cut(self, budgets: Tensor) -> "DraftTree":
         """The same trees with only the best budgets[l] nodes of lane l valid (budgets [L] long)."""
         return DraftTree(self.tokens, self.parents, self.depth, self.rank, self.order,
@@ -72,9 +79,7 @@ def build_tree(child_scores: ChildScores, anchors: Tensor, depths: int, budget: 
     """Trees of `budget` nodes (the anchor included) over `depths` draft depths; see the module docstring and
     ops/tree/naive.build_tree_nodes. anchors [L] long. Needs budget - 1 <= sum over d of min(budget - 1,
     top_k ** d)."""
-    tokens, parents, depth, rank, order = build_tree_nodes(child_scores, anchors, depths, budget)
-    return DraftTree(tokens=tokens, parents=parents, depth=depth, rank=rank, order=order,
-                     valid=torch.ones_like(tokens, dtype=torch.bool), max_depth=min(depths, budget - 1), top_k=top_k)
+    return DraftTree.of(build_tree_nodes(child_scores, anchors, depths, budget), depths, top_k)
 
 
 def max_nodes(depths: int, top_k: int, budget: int) -> int:

@@ -276,7 +276,7 @@ def main() -> None:
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: -e.self_device_time_total)
     print("  device kernels by time per step (us, launches per step):")
-    for e in kernels[:10]:
+    for e in kernels[:args.rows]:
         print(f"    {e.self_device_time_total / args.steps:8.1f}  {e.count / args.steps:6.1f}  {kernel_name(e.key)}")
     if args.split:
         split_profile(engine, step, args.steps)

@@ -8,7 +8,7 @@
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
-# treeprofile treedefault (tp: the 27B shape's round at TP 1 and
+# treeprofile treedefault treeops (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -106,6 +106,7 @@ for step in "$@"; do
         treeprofile) DELTAFLASH_NO_CUDA_GRAPHS=1 run treeprofile 200 python3 bench/profile_round.py 1 16 --tree-budget 0 16 ;;  # 9B: the tree round's extra cost by kernel group
         treedefault) run treedefault 120 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
                          --tree-budget 16 --round-graphs --no-profile --out "$OUT/treedefault" --quiet ;;  # trees at one lane, chains above (--tree-max-lanes 1)
+        treeops) run treeops 120 python3 bench/tree_ops.py ;;  # issue 17: the vocabulary top-k and ancestor mask, torch vs kernels
         verifytrees) run verifytrees 120 python3 bench/verify_trees.py ;;  # issue 17: the GDN kernel's tree path vs chains
         randomdraft) run randomdraft 300 python3 -m deltaflash bench e2e --workload scripted --corrupt 1.0 --prompts 16 \
                          --concurrency 1 16 --no-profile --speculation adaptive --out "$OUT/randomdraft" --quiet ;;  # issue 16: <= 5% behind target-only

@@ -1,5 +1,5 @@
 """The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
-and greedy tree walk kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
+greedy tree walk, vocabulary top-k and ancestor mask kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
 under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined
 with another shape inside an `if`): this catches that before a GPU run does."""
 
@@ -21,7 +21,9 @@ SCRIPT = textwrap.dedent("""
     from deltaflash.ops.gdn.verify import gdn_verify_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
     from deltaflash.ops.rope.rotary import rope_kernel
+    from deltaflash.ops.tree.ancestors import ancestor_mask_kernel
     from deltaflash.ops.tree.build import ranked_tree_kernel
+    from deltaflash.ops.tree.topk import chunk_top_k_kernel, merge_top_k_kernel
     from deltaflash.ops.tree.greedy_walk import greedy_walk_kernel
 
     for dtype in ("bf16", "fp32"):
@@ -89,6 +91,19 @@ SCRIPT = textwrap.dedent("""
     kernel = triton.compile(ASTSource(ranked_tree_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=1))
     assert ".entry ranked_tree_kernel" in kernel.asm["ptx"]
+    signature = dict(parents="*i64", out="*i8", stride_p="i64", N="i32", BN="constexpr")
+    kernel = triton.compile(ASTSource(ancestor_mask_kernel, signature, dict(BN=16)), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=1))
+    assert ".entry ancestor_mask_kernel" in kernel.asm["ptx"]
+    signature = dict(x="*fp32", out_v="*fp32", out_i="*i64", stride_x="i64", V="i32", S="i32", K="constexpr",
+                     BLOCK="constexpr")
+    kernel = triton.compile(ASTSource(chunk_top_k_kernel, signature, dict(K=4, BLOCK=8192)),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    assert ".entry chunk_top_k_kernel" in kernel.asm["ptx"]
+    signature = dict(cand_v="*fp32", cand_i="*i64", out_v="*fp32", out_i="*i64", C="i32", K="constexpr", BC="constexpr")
+    kernel = triton.compile(ASTSource(merge_top_k_kernel, signature, dict(K=4, BC=128)),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert ".entry merge_top_k_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

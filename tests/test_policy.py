@@ -5,7 +5,7 @@ import pytest
 
 from deltaflash.core.request import SamplingParams, Sequence
 from deltaflash.speculative.policy import (
-    MIN_TRIES, RoundCosts, WidthPolicy, acceptance_rate, allowed_widths, expected_tokens, observe_round,
+    MIN_TRIES, PROBE_WIDTH, RoundCosts, WidthPolicy, acceptance_rate, allowed_widths, expected_tokens, observe_round,
 )
 from deltaflash.speculative.sources import ScriptedSource
 from tests.spec_pairs import engine_for, make_pair, prompts
@@ -60,6 +60,22 @@ def test_a_lane_never_accepted_stops_drafting_and_probes_again():
     stops = widths[first_stop:]
     assert 1 in stops and any(w > 1 for w in stops)  # probes now and then
     assert sum(w > 1 for w in stops) <= len(stops) // 5 + 1
+    assert set(stops) == {1, PROBE_WIDTH}  # a probe checks the first draft: it does not widen the round
+
+
+def test_lanes_probing_together_under_load_keep_the_round_narrow():
+    """Sixteen lanes that stopped drafting together probe together: the round verifies PROBE_WIDTH rows,
+    not the block's (a useless drafter at 16 lanes otherwise ran every 16th round at twice the cost)."""
+    policy = WidthPolicy(allowed_widths(16), BUCKETS, compute_bound_costs(), probe_every=4)
+    seqs = [lane() for _ in range(16)]
+    rounds = []
+    for _ in range(24):
+        round_width, widths = policy.choose(seqs, [100] * 16)
+        rounds.append(round_width)
+        for seq, w in zip(seqs, widths):
+            policy.observe(seq, w - 1, 0)
+    after = rounds[rounds.index(1):]  # (the first rounds try the block: no evidence yet)
+    assert after.count(1) > len(after) // 2 and max(after) == PROBE_WIDTH, rounds
 
 
 def test_costs_follow_the_measured_rounds():

@@ -49,6 +49,16 @@ def record_off_chain(monkeypatch) -> list[int]:
     return seen
 
 
+def kernel_device(kernel) -> str:
+    """Where a Triton kernel's test runs: the CPU when it is interpreted, else CUDA (skipped without)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    if isinstance(kernel, InterpretedFunction):
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("a Triton kernel needs TRITON_INTERPRET=1 before import (CPU) or CUDA")
+    return "cuda"
+
+
 # ---- the tree builder --------------------------------------------------------------------------------
 def test_tree_holds_the_best_nodes_by_path_score():
     g = torch.Generator().manual_seed(0)
@@ -86,11 +96,8 @@ def test_ranked_tree_kernel_builds_the_reference_trees(ties):
     """ops/tree/build.py (one launch, a best-first search per lane) builds build_ranked_tree's trees to the
     last field: random candidates, and candidates whose log-probabilities tie (rounded to a coarse grid,
     as a scripted drafter's equal logits do), at several budgets."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from deltaflash.ops.tree.build import ranked_tree, ranked_tree_kernel
-    if not isinstance(ranked_tree_kernel, InterpretedFunction):
-        pytest.skip("the tree kernel on CPU needs TRITON_INTERPRET=1 before import")
+    device = kernel_device(ranked_tree_kernel)
     g = torch.Generator().manual_seed(5)
     L, D, V, k = 6, 7, 50, 3
     log_p, tokens = (3 * torch.randn(L, D, V, generator=g)).log_softmax(-1).topk(k, dim=-1)
@@ -99,10 +106,53 @@ def test_ranked_tree_kernel_builds_the_reference_trees(ties):
     anchors = torch.randint(V, (L,), generator=g)
     for budget in (2, 5, 16, 23):
         want = tree_naive.build_ranked_tree_ref(log_p, tokens, anchors, budget)
-        got = ranked_tree(log_p, tokens, anchors, budget)
+        got = ranked_tree(log_p.to(device), tokens.to(device), anchors.to(device), budget)
         for name, a, b in zip(("tokens", "parents", "depth", "rank", "order"), got, want):
-            assert torch.equal(a, b), f"budget {budget}: {name} differs"
+            assert torch.equal(a.cpu(), b), f"budget {budget}: {name} differs"
     assert ties or (want[2] > 1).any()
+
+
+@pytest.mark.parametrize("V, block", [(50, None), (300, 64)])
+def test_vocab_top_k_kernel_gives_the_stable_sort_order(V, block, monkeypatch):
+    """ops/tree/topk.py: each row's k best values and their indices, best first, equal values in index order -
+    the stable descending sort's - in one launch (a row within one program) and across chunks merged by a
+    second launch (a small BLOCK here; a real vocabulary at the default). Rows with heavy ties (values on a
+    coarse grid) and -inf entries; k up to the row's length."""
+    from deltaflash.ops.tree import topk
+    device = kernel_device(topk.chunk_top_k_kernel)
+    if block:
+        monkeypatch.setattr(topk, "BLOCK", block)
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(2, 3, V, generator=g).to(device)
+    tied = (x * 2).round() / 2
+    tied[0, 1, ::3] = float("-inf")
+    for rows in (x, tied):
+        for k in (1, 4, 7, V):
+            want_v, want_i = tree_naive.row_top_k(rows, k)
+            got_v, got_i = topk.row_top_k(rows, k)
+            assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v), (k, rows is tied)
+    assert (tree_naive.row_top_k(tied, 4)[0][..., 1:] == tree_naive.row_top_k(tied, 4)[0][..., :-1]).any()
+    with pytest.raises(ValueError):
+        topk.row_top_k(x.double(), 2)
+    with pytest.raises(ValueError):
+        topk.row_top_k(x, V + 1)
+
+
+def test_ancestor_mask_kernel_gives_the_reference_mask():
+    """ops/tree/ancestors.py equals core.batch.ancestor_mask (reachability by squaring) to the bit: random
+    forests (parents of -1 below the root too), chains, a single node, widths that are not powers of two."""
+    from deltaflash.core.batch import ancestor_mask as reference
+    from deltaflash.ops.tree import ancestors
+    device = kernel_device(ancestors.ancestor_mask_kernel)
+    g = torch.Generator().manual_seed(1)
+    for N in (1, 2, 5, 16, 33):
+        forest = torch.stack([torch.tensor([-1] + [int(torch.randint(-1, n, (1,), generator=g)) for n in range(1, N)])
+                              for _ in range(4)])
+        deep = torch.stack([(torch.arange(N) - 1), torch.where(torch.arange(N) > 0, 0, -1)])  # a chain, a star
+        for parents in (forest.to(device), deep.to(device)):
+            got = ancestors.ancestor_mask(parents)
+            assert got.dtype == torch.bool and torch.equal(got, reference(parents)), N
+    assert ancestors.ancestor_mask(torch.empty(0, 4, dtype=torch.long, device=device)).shape == (0, 4, 4)
 
 
 def test_dflash2_tree_follows_the_selector_walk(pairs):
@@ -452,6 +502,7 @@ def test_the_tree_graphs_function_builds_the_trees_drafting_builds(pairs, varian
     assert (graphed.max_depth, graphed.top_k) == (eager.max_depth, eager.top_k)
     if kernels == "triton":
         assert source.build_ranked is not tree_naive.build_ranked_tree_ref
+        assert source.kernels.vocab_top_k is not tree_naive.row_top_k
         logits = source._block(seqs, slot_ids, anchors, start)[1]
         reference = tree_naive.build_ranked_tree_ref(*tree_module.dflash_candidates(logits, 3), anchors, 8)
         for name, want in zip(("tokens", "parents", "depth", "rank", "order"), reference):

@@ -147,10 +147,11 @@ class ModelRunner:
             # (the module's state: a drafter serves the kernel set of the last engine built on it)
             fused = self.kernels.fused
             drafter.use_kernels(self.kernels.plain_rms_norm if fused else None, self.kernels.rope if fused else None)
-            draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory,
-                                        self.kernels.paged_attention,
+            draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory, self.kernels,
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None,
-                                        self.kernels.build_ranked_tree, chains=len(config.widths) > 1)
+                                        chains=len(config.widths) > 1)
+        elif hasattr(draft_source, "use_kernels"):  # (a scripted source builds its trees with the engine's kernels)
+            draft_source.use_kernels(self.kernels)
         self.source = draft_source
         self.penalty_history = PenaltyHistory(config.max_slots, self.cfg.vocab_size, self.device)
         self.tap_layer_ids = tuple(draft_source.tap_layer_ids) if draft_source is not None else ()
@@ -238,8 +239,7 @@ class ModelRunner:
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
         source = None
         if drafter is not None:
-            source = DFlashSource(drafter, self.model.vocab, probe.tables, W,
-                                  attend=self.kernels.paged_attention)
+            source = DFlashSource(drafter, self.model.vocab, probe.tables, W, kernels=self.kernels)
         taps = tuple(source.tap_layer_ids) if source is not None else ()
         torch.cuda.synchronize(self.device)
         peaks = []

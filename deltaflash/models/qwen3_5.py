@@ -13,7 +13,7 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput, ancestor_mask
+from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput
 from deltaflash.models.attention import AttentionRows, GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
 from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
@@ -165,7 +165,7 @@ class Qwen35Model(nn.Module):
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, store), slot_ids=batch.slot_ids,
                              context_lens=batch.start, n_rows=torch.full_like(batch.start, W),
                              mode="causal" if batch.chain_host else "tree",
-                             tree_mask=None if batch.chain_host else ancestor_mask(batch.parents),
+                             tree_mask=None if batch.chain_host else kernels.ancestor_mask(batch.parents),
                              max_pages=pool.tables.pages_to_read(kmax))
 
         cfg = self.cfg

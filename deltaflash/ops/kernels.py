@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaflash.core.batch import CommitPlan
+from deltaflash.core.batch import CommitPlan, ancestor_mask
 
 KERNEL_SETS = ("triton", "reference")
 
@@ -39,6 +39,8 @@ class Kernels:
     move_tree_rows: Callable          # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
     greedy_tree_walk: Callable        # (tree, greedy_next, depth_limit) -> (path [L, D], last [L]): greedy acceptance
     build_ranked_tree: Callable       # (log_p, tokens, anchors, budget) -> (tokens, parents, depth, rank, order): DFlash trees
+    vocab_top_k: Callable             # (x [..., V] float32, k) -> (values, indices) [..., k]: best first, ties in index order
+    ancestor_mask: Callable           # (parents [L, N]) -> [L, N, N] bool: m is n or an ancestor of n (tree verify rows)
     # (q, k, v, scale): causal attention of a prefill chunk that starts its sequences, over its own K/V
     # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
     # (a batch-invariant engine: the paged kernel's tiles do not follow the shape)
@@ -97,7 +99,7 @@ def reference_kernels() -> Kernels:
         zero_centered_rms_norm_ref,
     )
     from deltaflash.ops.rope.naive import apply_rope_ref
-    from deltaflash.ops.tree.naive import build_ranked_tree_ref
+    from deltaflash.ops.tree.naive import build_ranked_tree_ref, row_top_k
     from deltaflash.ops.tree.naive import greedy_walk as greedy_walk_ref
 
     return Kernels(
@@ -117,12 +119,16 @@ def reference_kernels() -> Kernels:
         move_tree_rows=move_tree_rows_ref,
         greedy_tree_walk=greedy_walk_ref,
         build_ranked_tree=build_ranked_tree_ref,
+        vocab_top_k=row_top_k,
+        ancestor_mask=ancestor_mask,
         prefill_attention=causal_block_attention,
     )
 
 
 def triton_kernels() -> Kernels:
+    from deltaflash.ops.tree.ancestors import ancestor_mask as ancestor_mask_kernel
     from deltaflash.ops.tree.build import ranked_tree
+    from deltaflash.ops.tree.topk import row_top_k
     from deltaflash.ops.tree.greedy_walk import greedy_walk
     from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.dense import causal_block_attention
@@ -157,6 +163,8 @@ def triton_kernels() -> Kernels:
         move_tree_rows=move_tree_rows,
         greedy_tree_walk=greedy_walk,
         build_ranked_tree=ranked_tree,
+        vocab_top_k=row_top_k,
+        ancestor_mask=ancestor_mask_kernel,
         prefill_attention=causal_block_attention,
     )
 

@@ -24,8 +24,8 @@ from deltaflash.cache.pages import BlockTables
 from deltaflash.core.batch import to_device
 from deltaflash.core.request import Sequence as Seq
 from deltaflash.models.vocab import Vocab
-from deltaflash.ops.attention.naive import paged_attention_ref
-from deltaflash.ops.tree.naive import build_ranked_tree_ref, ranked_children
+from deltaflash.ops.kernels import Kernels, reference_kernels
+from deltaflash.ops.tree.naive import build_ranked_tree_ref
 from deltaflash.speculative.draft import choose_tokens, draft_hidden, full_vocab_probs
 from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
 from deltaflash.speculative.tree import DraftTree, build_tree, dflash2_children, dflash_candidates
@@ -67,22 +67,22 @@ def pad_rows(slot_ids: Tensor, positions: Tensor, taps: Tensor, width: int) -> t
 
 class DFlashSource:
     def __init__(self, drafter, vocab: Vocab, tables: BlockTables,
-                 block_size: int = 0, graph_factory: GraphFactory | None = None, attend: Callable = paged_attention_ref,
-                 tree: tuple[int, int] | None = None, build_ranked: Callable = build_ranked_tree_ref,
-                 chains: bool = True):
+                 block_size: int = 0, graph_factory: GraphFactory | None = None, kernels: Kernels | None = None,
+                 tree: tuple[int, int] | None = None, chains: bool = True):
         """vocab: the target's embedding and lm_head (models/vocab.py). tables: the target's block tables (the context lives in pages of the same ids). block_size: the
         verify width W (default: the drafter's own). graph_factory: when given, the block forward and the
         context append replay CUDA graphs per lane bucket (the reference attention then reads the whole
-        table, a fixed shape; the Triton kernel reads each lane's own length). attend: the paged
-        attention op of the engine's kernel set. tree: (budget, top_k) of the engine's draft trees: with
-        graphs, the block forward and the tree built from it (about a hundred small ops) replay as one.
-        build_ranked: the kernel set's build_ranked_tree (DFlash trees). chains: whether an engine of trees
-        also drafts chains (its rounds of many lanes): the block forward's graphs are captured then too."""
+        table, a fixed shape; the Triton kernel reads each lane's own length). kernels: the engine's kernel
+        set (paged attention, and for DFlash trees the vocabulary top-k and the tree builder; default the
+        reference set). tree: (budget, top_k) of the engine's draft trees: with graphs, the block forward
+        and the tree built from it replay as one. chains: whether an engine of trees also drafts chains (its
+        rounds of many lanes): the block forward's graphs are captured then too."""
         self.drafter, self.vocab = drafter, vocab
         c = drafter.config
         self.block_size = block_size or c.block_size
         self.tap_layer_ids = tuple(c.target_layer_ids)
-        self.attend, self.build_ranked = attend, build_ranked
+        self.kernels = kernels = kernels if kernels is not None else reference_kernels()
+        self.attend, self.build_ranked = kernels.paged_attention, kernels.build_ranked_tree
         self.context = DraftContextCache(tables, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                          head_dim=c.head_dim, dtype=drafter.dtype, device=vocab.device)
         self.block_graphs = self.append_graphs = None
@@ -163,7 +163,7 @@ class DFlashSource:
         if self.drafter.config.variant == "dflash2":
             children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)
             return build_tree(children, anchors, self.block_size - 1, budget, top_k)
-        log_p, tokens = dflash_candidates(logits[:, :self.block_size - 1], top_k)
+        log_p, tokens = dflash_candidates(logits[:, :self.block_size - 1], top_k, self.kernels.vocab_top_k)
         return DraftTree.of(self.build_ranked(log_p, tokens, anchors, budget), self.block_size - 1, top_k)
 
     def _tree_nodes(self, slot_ids, anchors, start) -> tuple[Tensor, ...]:
@@ -198,6 +198,12 @@ class ScriptedSource:
         self.scripts, self.block_size, self.vocab_size = scripts, block_size, vocab_size
         self.corrupt, self.rng = corrupt, random.Random(seed)
         self._script_of: dict[str, list[int]] = {}  # request id -> its script (a prompt's tuple costs its length)
+        self.build_ranked = build_ranked_tree_ref
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Build trees with the engine's kernel set (the runner calls this): the torch builder's ~100 small
+        launches would be the scripted rounds' own cost, not the engine's."""
+        self.build_ranked = kernels.build_ranked_tree
 
     def reset(self, slot: int) -> None:
         pass
@@ -225,8 +231,8 @@ class ScriptedSource:
                 log_p.append([x - lse for x in logits[:k]])
         tokens = torch.tensor(tokens, dtype=torch.long).view(L, depths, k)
         log_p = torch.tensor(log_p, dtype=torch.float32).view(L, depths, k)
-        children = ranked_children(to_device(log_p, slot_ids.device), to_device(tokens, slot_ids.device))
-        return build_tree(children, torch.where(slot_ids < 0, 0, anchors), depths, budget, top_k)
+        log_p, tokens = to_device(log_p, slot_ids.device), to_device(tokens, slot_ids.device)
+        return DraftTree.of(self.build_ranked(log_p, tokens, torch.where(slot_ids < 0, 0, anchors), budget), depths, top_k)
 
     def _script_rows(self, seqs, lanes: int, corrupt: float) -> list[list[int]]:
         """Per lane the W-1 tokens after its pending one: the script's (random without one), each

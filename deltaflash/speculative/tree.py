@@ -22,6 +22,7 @@ Acceptance walks each lane from the root, on the device, without a host sync:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from deltaflash.core.batch import ancestor_mask
-from deltaflash.ops.tree.naive import ChildScores, build_tree_nodes, greedy_walk, ranked_children
+from deltaflash.ops.tree.naive import ChildScores, build_tree_nodes, greedy_walk, ranked_children, row_top_k
 from deltaflash.speculative.acceptance import Accepted, with_logprobs
 from deltaflash.speculative.sampling import STREAM_ACCEPT, STREAM_TOKEN, LaneSampling, lane_probs, sample_from, uniform_noise
 
@@ -87,10 +88,11 @@ def max_nodes(depths: int, top_k: int, budget: int) -> int:
     return 1 + sum(min(budget - 1, top_k ** d) for d in range(1, depths + 1))
 
 
-def dflash_candidates(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+def dflash_candidates(logits: Tensor, top_k: int, top_k_op: Callable = row_top_k) -> tuple[Tensor, Tensor]:
     """DFlash: depth d's candidates are the top_k of the drafter's log-softmax at block slot d
-    (logits [L, B-1, V] of slots 1..B-1), whatever the parent: (log_p, tokens) [L, B-1, top_k]."""
-    return logits.float().log_softmax(dim=-1).topk(top_k, dim=-1)
+    (logits [L, B-1, V] of slots 1..B-1), whatever the parent: (log_p, tokens) [L, B-1, top_k], equal
+    log-probabilities in token order. top_k_op: a kernel set's vocab_top_k."""
+    return top_k_op(logits.float().log_softmax(dim=-1), top_k)
 
 
 def dflash_children(logits: Tensor, top_k: int) -> ChildScores:

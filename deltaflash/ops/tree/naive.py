@@ -1,4 +1,5 @@
-"""The torch references of the draft-tree kernels (ops/tree/build.py, greedy_walk.py): tensors in, tensors out.
+"""The torch references of the draft-tree kernels (ops/tree/build.py, greedy_walk.py, topk.py; the ancestor
+mask's, ancestors.py's, is core.batch.ancestor_mask): tensors in, tensors out.
 
 speculative/tree.py builds its DraftTree from build_tree_nodes and accepts greedy lanes with greedy_walk (the
 kernel sets' reference entries); the math of trees and their acceptance: its docstring and DESIGN.md §4.
@@ -65,6 +66,14 @@ def ranked_children(log_p: Tensor, tokens: Tensor) -> ChildScores:
         return log_p[:, d - 1, None].expand(-1, P, -1), tokens[:, d - 1, None].expand(-1, P, -1)
 
     return children
+
+
+def row_top_k(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of x [..., V], best first, equal values in index order (a stable
+    descending sort, cut): (values, indices) [..., k]. ops/tree/topk.row_top_k's contract (torch.topk leaves
+    the order of equal values open: the two kernel sets would build different trees from tied logits)."""
+    values, indices = x.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
 
 
 def build_ranked_tree_ref(log_p: Tensor, tokens: Tensor, anchors: Tensor, budget: int) -> tuple[Tensor, ...]:

@@ -11,6 +11,7 @@
 # treeprofile treedefault treeops (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4").
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `e2epair` runs the demo e2e on this tree (serve defaults, and at --max-model-len 320) and on OLD_TREE
 # (`git archive COMMIT | tar x -C DIR`, carried).
@@ -122,10 +123,11 @@ for step in "$@"; do
                                 --out "$OUT/treegraphs$budget${flag:+-rg}" --quiet
                         done
                     done ;;
-        treepair) for run in 1 2; do  # issue 17 at low load: chain and tree of 16 with round graphs, alternating
-                      for budget in 0 16; do
-                          run treepair 120 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 \
-                              --tree-budget $budget --round-graphs --no-profile --out "$OUT/treepair$budget-$run" --quiet
+        treepair) for run in $(seq "${PAIR_RUNS:-2}"); do  # issue 17 at low load: chain and trees with round graphs,
+                      for budget in ${PAIR_BUDGETS:-0 16}; do  # alternating (the machine's speed drifts between runs)
+                          run treepair 120 python3 -m deltaflash bench e2e --workload demo --prompts 16 \
+                              --concurrency ${PAIR_CONCURRENCY:-1 4} --tree-budget $budget --round-graphs --no-profile \
+                              --out "$OUT/treepair$budget-$run" --quiet
                       done
                   done ;;
         treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees

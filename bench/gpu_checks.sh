@@ -11,7 +11,8 @@
 # treeprofile treedefault treeops (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
-# treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4").
+# treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
+# " " for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `e2epair` runs the demo e2e on this tree (serve defaults, and at --max-model-len 320) and on OLD_TREE
 # (`git archive COMMIT | tar x -C DIR`, carried).
@@ -130,9 +131,10 @@ for step in "$@"; do
                               --out "$OUT/treepair$budget-$run" --quiet
                       done
                   done ;;
-        treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees
+        treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees at every load (issue 17's sweep)
                       run treedemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
-                          --tree-budget $budget --tree-max-lanes 0 --no-profile --out "$OUT/tree$budget" --quiet
+                          --tree-budget $budget --tree-max-lanes 0 ${TREEDEMO_FLAGS:---round-graphs} --no-profile \
+                          --out "$OUT/tree$budget" --quiet
                   done ;;
         model) run model 420 python3 -m deltaflash bench model --decode-batches 1 8 --json "$OUT/model.json" ;;
         ttft) for off in 0 1; do  # one 173-token prompt's TTFT with prefill graphs and without (demo pair)

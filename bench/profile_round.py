@@ -30,9 +30,9 @@ from deltaflash.models.random_init import qwen35_9b_config, random_model
 # kernel name pattern -> group (first match wins)
 GROUPS = (
     (r"gdn_verify", "GDN verify (Triton)"),
-    (r"tree|greedy_walk|walk", "tree build / walk (Triton)"),
-    (r"topk|sort|radix", "top-k / sort"),
     (r"conv_tree", "conv tree step (Triton)"),
+    (r"ranked_tree|greedy_walk|ancestor_mask|top_k_kernel", "tree build / walk / mask (Triton)"),
+    (r"topk|sort|radix", "top-k / sort"),
     (r"rms_norm", "RMS norms (Triton)"),
     (r"fmha|attention|flash|softmax", "attention"),  # before GEMM: SDPA's kernels are cutlass too
     (r"gemm|gemv|cutlass|sm90|nvjet|splitK|ampere|xmma", "GEMM"),

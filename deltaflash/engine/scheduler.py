@@ -115,7 +115,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         cancelled = self._retire_cancelled()
-        decode, widths, round_width, preempted, short = self._make_room()
+        decode, (widths, round_width, tree_budget), preempted, short = self._make_room()
         grants = [g for slot, tokens in short for g in self.pages.grow(slot, tokens)]
         admitted = []
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
@@ -132,45 +132,44 @@ class Scheduler:
         prefill = tuple(self._prefill_chunks(decoding=bool(decode)))
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill,
-                        decode=tuple(decode), widths=tuple(widths), round_width=round_width,
-                        tree_budget=self.config.tree_budget if round_width > 1 and self.config.trees_for(len(decode))
-                        else 0)
+                        decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget)
 
     def width(self, seq: Sequence) -> int:
         """Most rows the sequence may verify this round: the block, or fewer when fewer tokens are left."""
         return max(1, min(self.config.block_size, seq.remaining))
 
-    def widths(self, decode: list[Sequence]) -> tuple[list[int], int]:
-        """(each lane's width: 1 + the drafts it may accept, the round's rows per lane): the policy's
-        choice, or every lane at its most and the block (a tree's nodes, when the round's lanes are few
-        enough for trees: config.trees_for) when any speculates."""
+    def widths(self, decode: list[Sequence]) -> tuple[list[int], int, int]:
+        """(each lane's width: 1 + the drafts it may accept, the round's rows per lane, the round's tree
+        budget or 0 for chains): the policy's choice, or every lane at its most and the block - a tree's
+        nodes when the round's lanes are few enough for trees (config.trees_for) - when any speculates."""
         if self.config.block_size <= 1:  # no drafter: every lane decodes one row
-            return [1] * len(decode), 1
+            return [1] * len(decode), 1, 0
         caps = [self.width(s) for s in decode]
+        trees = self.config.trees_for(len(decode))
         if self.policy is not None and decode:
             round_width, lanes = self.policy.choose(decode, caps)
-            return lanes, round_width
+            return lanes, round_width, self.config.tree_budget if trees and round_width > 1 else 0
         if not any(w > 1 for w in caps):
-            return caps, 1
-        return caps, self.config.tree_budget if self.config.trees_for(len(decode)) else self.config.block_size
+            return caps, 1, 0
+        return (caps, self.config.tree_budget, self.config.tree_budget) if trees else (caps, self.config.block_size, 0)
 
     def reach(self, round_width: int) -> int:
         """Positions past its committed length that a round of `round_width` rows writes for every lane
         (whatever its own width): the verify rows, and the drafter's block when the round drafts."""
         return max(round_width, self.config.block_size) if round_width > 1 else 1
 
-    def _make_room(self) -> tuple[list[Sequence], list[int], int, list[Sequence], list[tuple[int, int]]]:
-        """The round's lanes, widths and rows, after preempting the most recently admitted sequences
+    def _make_room(self) -> tuple[list[Sequence], tuple[list[int], int, int], list[Sequence], list[tuple[int, int]]]:
+        """The round's lanes and what widths() chose for them, after preempting the most recently admitted sequences
         until the pages every lane's rows reach are free (prefilling sequences took theirs at admission);
         and the (slot, positions) of the lanes that must take pages for it."""
         preempted = []
         while True:
             decode = [s for s in self.running.values() if s.status is Status.DECODING]
-            widths, round_width = self.widths(decode)
-            reach = self.reach(round_width)
+            chosen = self.widths(decode)
+            reach = self.reach(chosen[1])
             short = self.pages.short_of([s.slot for s in decode], [s.position + reach for s in decode])
             if sum(self.pages.missing(slot, tokens) for slot, tokens in short) <= self.pages.num_free:
-                return decode, widths, round_width, preempted, short
+                return decode, chosen, preempted, short
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
             preempted.append(victim)

@@ -463,6 +463,21 @@ def test_prompt_too_long_for_the_context_is_a_clear_error(pairs):
         engine.add_request(list(range(30)), SamplingParams(max_new_tokens=5))
 
 
+def test_a_target_without_attention_layers_serves():
+    """Every layer Gated DeltaNet (a two-layer toy shape): no K/V bytes per page, so the page pool plans all
+    its pages (the plan divided by zero) and stores nothing; greedy output alone equals output in a batch."""
+    from deltaflash.engine.engine import Engine
+    from deltaflash.models.random_init import random_model, toy_config
+
+    model = random_model(toy_config(2), torch.float32, "cpu")
+    assert not model.cfg.attn_layer_ids and len(model.cfg.gdn_layer_ids) == 2
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = Engine(model, None, None, EngineConfig(max_slots=2, max_model_len=64, kernels="reference"))
+    batched = [c.token_ids for c in engine.generate([[1, 2, 3], [4, 5]], params)[0]]
+    alone = [engine.generate([p], params)[0][0].token_ids for p in ([1, 2, 3], [4, 5])]
+    assert batched == alone and all(len(t) == 6 for t in batched)
+
+
 # ---- the package's floors -------------------------------------------------------------------------
 def import_graph() -> dict[str, set[str]]:
     """Module -> deltaflash modules it imports (anywhere in the module, function-level imports too)."""

@@ -29,7 +29,7 @@ def pages_for(tokens: int, page_size: int) -> int:
 def page_store(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """Zeros for a page store. On CPU through calloc (numpy), whose large blocks are fresh zero pages of
     the OS: the memory a pool takes grows with the pages sequences write, not with the pool's size."""
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or 0 in shape:  # (a model without attention layers stores nothing)
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     numel = 1

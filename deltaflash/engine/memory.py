@@ -53,6 +53,7 @@ def cuda_budget(device: torch.device, utilization: float, slot_state_bytes: int,
 
 
 def plan_pages(budget_bytes: int, page_bytes: int, page_size: int, most_pages: int, source: str) -> PagePlan:
-    fits = budget_bytes // page_bytes
+    """page_bytes 0: a model without attention layers (no K/V): its pages hold nothing, so all fit."""
+    fits = budget_bytes // page_bytes if page_bytes else most_pages
     return PagePlan(num_pages=int(min(fits, most_pages)), page_size=page_size, page_bytes=page_bytes,
                     budget_bytes=budget_bytes, source=source, capped=fits > most_pages)

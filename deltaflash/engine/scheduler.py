@@ -145,13 +145,14 @@ class Scheduler:
         if self.config.block_size <= 1:  # no drafter: every lane decodes one row
             return [1] * len(decode), 1, 0
         caps = [self.width(s) for s in decode]
-        trees = self.config.trees_for(len(decode))
-        if self.policy is not None and decode:
+        if self.policy is not None and decode:  # (adaptive engines verify chains: config.adaptive excludes trees)
             round_width, lanes = self.policy.choose(decode, caps)
-            return lanes, round_width, self.config.tree_budget if trees and round_width > 1 else 0
+            return lanes, round_width, 0
         if not any(w > 1 for w in caps):
             return caps, 1, 0
-        return (caps, self.config.tree_budget, self.config.tree_budget) if trees else (caps, self.config.block_size, 0)
+        if self.config.trees_for(len(decode)):
+            return caps, self.config.tree_budget, self.config.tree_budget
+        return caps, self.config.block_size, 0
 
     def reach(self, round_width: int) -> int:
         """Positions past its committed length that a round of `round_width` rows writes for every lane
@@ -165,7 +166,7 @@ class Scheduler:
         preempted = []
         while True:
             decode = [s for s in self.running.values() if s.status is Status.DECODING]
-            chosen = self.widths(decode)
+            chosen = self.widths(decode)  # (lane widths, round width, tree budget)
             reach = self.reach(chosen[1])
             short = self.pages.short_of([s.slot for s in decode], [s.position + reach for s in decode])
             if sum(self.pages.missing(slot, tokens) for slot, tokens in short) <= self.pages.num_free:

@@ -8,7 +8,7 @@
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
-# treeprofile treedefault treeops (tp: the 27B shape's round at TP 1 and
+# treeprofile treedefault treeops firstpair (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
@@ -71,6 +71,9 @@ for step in "$@"; do
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;
         demo) run demo 180 python3 -m deltaflash demo --device cuda ;;
         first) run first 240 python3 bench/first_requests.py --out "$OUT/first.json" ;;
+        firstpair) for flag in "" --round-graphs; do  # start-up and first requests without round graphs and with
+                       run firstpair 240 python3 bench/first_requests.py --out "$OUT/first${flag:+-rg}.json" -- $flag
+                   done ;;
         e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2epair) for tree in . "${OLD_TREE:?e2epair: set OLD_TREE to an exported older tree}"; do  # same command, two trees

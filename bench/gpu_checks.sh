@@ -12,7 +12,7 @@
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
-# " " for eager rounds).
+# "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
 # `e2epair` runs the demo e2e on this tree (serve defaults, and at --max-model-len 320) and on OLD_TREE
 # (`git archive COMMIT | tar x -C DIR`, carried).
@@ -71,8 +71,8 @@ for step in "$@"; do
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;
         demo) run demo 180 python3 -m deltaflash demo --device cuda ;;
         first) run first 240 python3 bench/first_requests.py --out "$OUT/first.json" ;;
-        firstpair) for flag in "" --round-graphs; do  # start-up and first requests without round graphs and with
-                       run firstpair 240 python3 bench/first_requests.py --out "$OUT/first${flag:+-rg}.json" -- $flag
+        firstpair) for flag in --no-round-graphs --round-graphs; do  # start-up and first requests without round graphs and with
+                       run firstpair 240 python3 bench/first_requests.py --out "$OUT/first$flag.json" -- $flag
                    done ;;
         e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
@@ -100,7 +100,7 @@ for step in "$@"; do
                              --json "$OUT/long-$ctx-unwritten.json"
                      done ;;
         graphlaunch) run graphlaunch 150 python3 bench/graph_launch.py --lanes 8 ;;  # host cost of graph launches
-        roundgraphs) for flag in "" --round-graphs; do  # a speculative step with greedy round graphs and without
+        roundgraphs) for flag in --no-round-graphs --round-graphs; do  # a speculative step with greedy round graphs and without
                          run roundgraphs 90 python3 bench/step_profile.py --lanes 8 --steps 60 $flag
                      done ;;
         capacity) run capacity 420 python3 bench/capacity.py --json "$OUT/capacity.json" ;;  # issue 14: 32k sequences of 9B
@@ -116,15 +116,15 @@ for step in "$@"; do
         randomdraft) run randomdraft 300 python3 -m deltaflash bench e2e --workload scripted --corrupt 1.0 --prompts 16 \
                          --concurrency 1 16 --no-profile --speculation adaptive --out "$OUT/randomdraft" --quiet ;;  # issue 16: <= 5% behind target-only
         treestep) for budget in 0 16; do  # a demo-pair step at one lane, chain vs tree: where the tree round's time goes
-                      for flag in "" --round-graphs; do
+                      for flag in --no-round-graphs --round-graphs; do
                           run treestep 150 python3 bench/step_profile.py --lanes 1 --steps 60 --split --tree-budget $budget $flag
                       done
                   done ;;
         treegraphs) for budget in 0 16; do  # issue 17 side by side: chain vs tree, greedy round graphs on and off
-                        for flag in "" --round-graphs; do
+                        for flag in --no-round-graphs --round-graphs; do
                             run treegraphs 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 \
                                 --concurrency 1 4 16 --tree-budget $budget --tree-max-lanes 0 $flag --no-profile \
-                                --out "$OUT/treegraphs$budget${flag:+-rg}" --quiet
+                                --out "$OUT/treegraphs$budget$flag" --quiet
                         done
                     done ;;
         treepair) for run in $(seq "${PAIR_RUNS:-2}"); do  # issue 17 at low load: chain and trees with round graphs,

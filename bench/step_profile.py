@@ -196,7 +196,8 @@ def main() -> None:
                     help="also the step's parts (scheduling, launches, the read, commit, emitting) by wall time")
     ap.add_argument("--slowest", type=int, default=5, help="list the N slowest steps with what they did")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up, as a server would")
-    ap.add_argument("--round-graphs", action="store_true", help="greedy rounds as one CUDA graph (EngineConfig.round_graphs)")
+    ap.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="greedy rounds as one CUDA graph (EngineConfig.round_graphs; default: the engine's)")
     ap.add_argument("--tree-budget", type=int, default=0,
                     help="rounds verify draft trees of N nodes (EngineConfig.tree_budget; 0: chains)")
     ap.add_argument("--shape", default="demo", help="demo (the bundled pair), or 9b / 27b / toy: a target-only "
@@ -206,8 +207,8 @@ def main() -> None:
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
     slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}
-    if args.round_graphs:  # (an older tree without the option takes no such keyword)
-        slots["round_graphs"] = True
+    if args.round_graphs is not None:  # (an older tree without the option takes no such keyword)
+        slots["round_graphs"] = args.round_graphs
     if args.tree_budget:
         slots["tree_budget"] = args.tree_budget
     t0 = time.perf_counter()

@@ -172,6 +172,15 @@ def test_config_is_resolved_once_with_the_environment():
     assert (alone.cuda_graphs, alone.prefill_graphs) == (True, False)
     with pytest.raises(DeltaflashError, match="prefill_graphs needs cuda_graphs"):
         EngineConfig(cuda_graphs=False, prefill_graphs=True).resolve(cuda, 8)
+    # greedy rounds as one graph: with the graphs and the fused kernels, unless switched off
+    assert EngineConfig().resolve(cuda, 8, env={}).round_graphs is True
+    assert EngineConfig().resolve(cpu, 8, env={}).round_graphs is False
+    assert resolved.round_graphs is False  # reference kernels, no graphs
+    assert EngineConfig().resolve(cuda, 8, env={"DELTAFLASH_NO_FUSED_KERNELS": "1"}).round_graphs is False
+    assert EngineConfig().resolve(cuda, 8, env={"DELTAFLASH_NO_ROUND_GRAPHS": "1"}).round_graphs is False
+    assert EngineConfig(round_graphs=False).resolve(cuda, 8, env={}).round_graphs is False
+    with pytest.raises(DeltaflashError, match="round_graphs needs cuda_graphs and the fused kernels"):
+        EngineConfig(round_graphs=True).resolve(cpu, 8)
     with pytest.raises(DeltaflashError, match="needs a drafter"):
         EngineConfig(block_size=4).resolve(cpu, None)
     with pytest.raises(DeltaflashError, match="max_slots"):

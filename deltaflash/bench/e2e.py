@@ -19,6 +19,7 @@ acceptance, labelled scripted everywhere). `--server URL` drives a running `delt
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -396,8 +397,9 @@ def register(sub) -> None:
                    help="with --tree-budget: rounds of more lanes verify chains (0: trees at every load)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's products through the batch-invariant GEMM (ops/gemm) in both modes")
-    p.add_argument("--round-graphs", action="store_true",
-                   help="demo workload: greedy rounds replay one CUDA graph each (EngineConfig.round_graphs)")
+    p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="demo workload: greedy rounds replay one CUDA graph each (EngineConfig.round_graphs; "
+                        "default: the serve default, on with CUDA graphs)")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

@@ -24,10 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the target's products through a batch-invariant Triton GEMM instead of cuBLAS, so a token's "
                         "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
                         "opt-in: its speed is not measured yet)")
-    p.add_argument("--round-graphs", action="store_true",
+    p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy rounds (chains, or trees with --tree-budget) replay one CUDA graph each (draft, "
-                        "verify, accept, commit) instead of three graphs and ~25-70 launches (opt-in; the demo "
-                        "pair's chains at one client on the H200: 1.1-1.2x the eager rounds' tokens/s)")
+                        "verify, accept, commit) instead of three graphs and ~25-70 launches (default: on with CUDA "
+                        "graphs and the fused kernels; --no-round-graphs or DELTAFLASH_NO_ROUND_GRAPHS=1 turns it off)")
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")

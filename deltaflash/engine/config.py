@@ -6,6 +6,8 @@ Environment variables (README, "Environment"):
 - DELTAFLASH_NO_FUSED_KERNELS=1: run the pure-torch reference kernels (ops/*/naive.py) on CUDA too.
 - DELTAFLASH_NO_CUDA_GRAPHS=1: run every forward eagerly on CUDA (no graph capture at start).
 - DELTAFLASH_NO_PREFILL_GRAPHS=1: run prefill steps eagerly on CUDA (rounds still replay their graphs).
+- DELTAFLASH_NO_ROUND_GRAPHS=1: greedy rounds replay their three graphs with eager launches between them
+  instead of one graph for the whole round.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from deltaflash.errors import DeltaflashError
 ENV_NO_FUSED_KERNELS = "DELTAFLASH_NO_FUSED_KERNELS"
 ENV_NO_CUDA_GRAPHS = "DELTAFLASH_NO_CUDA_GRAPHS"
 ENV_NO_PREFILL_GRAPHS = "DELTAFLASH_NO_PREFILL_GRAPHS"
+ENV_NO_ROUND_GRAPHS = "DELTAFLASH_NO_ROUND_GRAPHS"
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:
@@ -71,7 +74,7 @@ class EngineConfig:
         drafter's block (and trees), the verify forward, acceptance, the state commit (and a tree's K/V
         moves) and the drafter's context append - instead of three graphs and ~25 eager launches (a
         tree round: ~70); the host reads the counts and tokens as before (engine/runner.py: _greedy_round,
-        _greedy_tree_round). Opt-in: measured on the demo pair only (docs/benchmarks.md).
+        _greedy_tree_round). None = with cuda_graphs and the fused kernels unless DELTAFLASH_NO_ROUND_GRAPHS=1.
     sync_phase_timing: sync the device between round phases (profiling: exact phase times, slower).
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
@@ -97,7 +100,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     prefill_graphs: bool | None = None
     batch_invariant: bool = False
-    round_graphs: bool = False
+    round_graphs: bool | None = None
     sync_phase_timing: bool = False
     tensor_parallel_size: int = 1
 
@@ -129,6 +132,10 @@ class EngineConfig:
             else self.prefill_graphs
         if prefill_graphs and not graphs:
             raise DeltaflashError("prefill_graphs needs cuda_graphs")
+        round_graphs = graphs and kernels == "triton" and not _env_flag(env, ENV_NO_ROUND_GRAPHS) \
+            if self.round_graphs is None else self.round_graphs
+        if round_graphs and not (graphs and kernels == "triton"):
+            raise DeltaflashError("round_graphs needs cuda_graphs and the fused kernels")
         if drafter_block is None:
             if self.block_size > 1:
                 raise DeltaflashError(f"block size {self.block_size} needs a drafter (--draft)")
@@ -160,6 +167,7 @@ class EngineConfig:
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
+                                   round_graphs=round_graphs,
                                    block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len,
                                    idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))

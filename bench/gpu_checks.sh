@@ -8,7 +8,7 @@
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
-# treeprofile treedefault treeops firstpair (tp: the 27B shape's round at TP 1 and
+# treeprofile treedefault treeops firstpair rgdemo treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
@@ -134,6 +134,14 @@ for step in "$@"; do
                               --out "$OUT/treepair$budget-$run" --quiet
                       done
                   done ;;
+        rgdemo) for flag in --no-round-graphs --round-graphs; do  # demo pair at the serve defaults, round graphs off / on
+                    run rgdemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 64 \
+                        $flag --no-profile --out "$OUT/rgdemo$flag" --quiet
+                done ;;
+        treechoice) for lanes in "" "--tree-max-lanes 1"; do  # trees or chains by measured tokens/s (the default), and the fixed rule
+                        run treechoice 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
+                            --tree-budget 16 $lanes --no-profile --out "$OUT/treechoice${lanes:+-fixed}" --quiet
+                    done ;;
         treedemo) for budget in 0 8 16 32; do  # demo pair: the chain (block 8) and trees at every load (issue 17's sweep)
                       run treedemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
                           --tree-budget $budget --tree-max-lanes 0 ${TREEDEMO_FLAGS:---round-graphs} --no-profile \

@@ -171,21 +171,25 @@ def test_summary_reports_the_median_step_that_only_decoded():
 
 
 def test_summary_groups_decode_steps_by_round_width():
-    """by_round_width: decode-only steps keyed by the widest lane of their round, with the median step, the
-    mean lanes and the tokens each lane emitted (nearest-rank median); prefill steps do not count."""
+    """by_round_width: decode-only steps keyed by the widest lane of their round (a tree round by its
+    nodes), with the median step, the mean lanes and the tokens each lane emitted (nearest-rank median);
+    prefill steps do not count."""
     from deltaflash.bench.e2e import Trace, summarize
     from deltaflash.core.request import StepReport
 
-    def report(widths, accepted=(), prefill_tokens=0):
+    def report(widths, accepted=(), prefill_tokens=0, tree_budget=0):
         return StepReport(admitted=0, prefill_tokens=prefill_tokens, prefill_s=0.0, decode_lanes=len(widths),
-                          decode_s=0.0, accepted_lengths=accepted, widths=widths)
+                          decode_s=0.0, accepted_lengths=accepted, widths=widths, tree_budget=tree_budget)
     steps = [(0.002, report((1, 1))), (0.004, report((1, 1))), (0.010, report((8, 1), (3, 1))),
-             (0.012, report((8, 8, 8), (5, 1, 2))), (0.050, report((8,), (2,), prefill_tokens=64))]
+             (0.012, report((8, 8, 8), (5, 1, 2))), (0.050, report((8,), (2,), prefill_tokens=64)),
+             (0.011, report((8, 8), (4, 6), tree_budget=16))]
     table = summarize([Trace(0.0, token_ids=[1], event_times=[0.01], event_tokens=[1])], steps, 0.1)["by_round_width"]
-    assert sorted(table) == ["1", "8"]
-    assert table["1"] == {"steps": 2, "step_p50_ms": pytest.approx(2.0), "lanes_mean": 2.0, "tokens_per_lane": 1.0}
-    assert table["8"]["steps"] == 2 and table["8"]["step_p50_ms"] == pytest.approx(10.0)
-    assert table["8"]["lanes_mean"] == 2.5 and table["8"]["tokens_per_lane"] == pytest.approx(12 / 5)
+    assert list(table) == ["W 1", "W 8", "tree 16"]
+    assert table["W 1"] == {"steps": 2, "step_p50_ms": pytest.approx(2.0), "lanes_mean": 2.0, "tokens_per_lane": 1.0}
+    assert table["W 8"]["steps"] == 2 and table["W 8"]["step_p50_ms"] == pytest.approx(10.0)
+    assert table["W 8"]["lanes_mean"] == 2.5 and table["W 8"]["tokens_per_lane"] == pytest.approx(12 / 5)
+    assert table["tree 16"] == {"steps": 1, "step_p50_ms": pytest.approx(11.0), "lanes_mean": 2.0,
+                                "tokens_per_lane": 5.0}
 
 
 def test_compare_reports_where_each_sequence_first_differs():

@@ -1,11 +1,13 @@
 """Load-adaptive speculation (speculative/policy.py): widths follow load and acceptance, a lane that is
-never accepted stops drafting and probes again, and greedy output is the same at every width mix."""
+never accepted stops drafting and probes again, and greedy output is the same at every width mix; a tree
+engine's rounds take trees or chains by their measured tokens per second (TreeChoice)."""
 
 import pytest
 
 from deltaflash.core.request import SamplingParams, Sequence
 from deltaflash.speculative.policy import (
-    MIN_TRIES, PROBE_WIDTH, RoundCosts, WidthPolicy, acceptance_rate, allowed_widths, expected_tokens, observe_round,
+    MIN_TRIES, PROBE_WIDTH, RoundCosts, TreeChoice, WidthPolicy, acceptance_rate, allowed_widths, expected_tokens,
+    observe_round,
 )
 from deltaflash.speculative.sources import ScriptedSource
 from tests.spec_pairs import engine_for, make_pair, prompts
@@ -151,3 +153,48 @@ def test_the_warm_requests_run_every_width_in_use(pair, monkeypatch):
     engine._warm_requests()
     assert widths == set(engine.config.widths)
     assert engine.scheduler.policy.pinned is None and not engine.has_work()
+
+
+# ---- trees or chains ------------------------------------------------------------------------------
+def feed(choice: TreeChoice, lanes: int, rounds: int, seconds: dict, tokens: dict) -> list[bool]:
+    """`rounds` rounds of `lanes` lanes, each in the mode the choice picks, costing seconds[mode] and emitting
+    tokens[mode] per lane; returns the modes chosen."""
+    modes = []
+    for _ in range(rounds):
+        trees = choice.choose(lanes)
+        choice.observe(lanes, trees, seconds[trees], [tokens[trees]] * lanes)
+        modes.append(trees)
+    return modes
+
+
+def test_trees_or_chains_follow_tokens_per_second_at_each_bucket():
+    """Trees where their extra rows are nearly free (one lane: 4 tokens for 1.0 ms against 3 for 0.9), chains
+    where they are dear (16 lanes: 4 tokens for 2.0 ms against 3 for 1.2). A bucket without figures tries
+    trees, then chains; afterwards the loser runs one round in explore_every there."""
+    choice = TreeChoice(BUCKETS, explore_every=8)
+    one = feed(choice, 1, 40, {True: 1.0e-3, False: 0.9e-3}, {True: 4, False: 3})
+    assert one[:2] == [True, False] and one[2:].count(False) == 38 // 8
+    sixteen = feed(choice, 13, 40, {True: 2.0e-3, False: 1.2e-3}, {True: 4, False: 3})
+    assert sixteen[:2] == [True, False] and sixteen[2:].count(True) == 38 // 8
+    assert choice.best(1) is True and choice.best(16) is False and choice.bucket(13) == 16
+
+
+def test_an_exploring_round_turns_the_choice_when_the_loser_got_cheaper():
+    """The chain lost at one lane; its cost drops (another workload, a faster kernel): the next exploring
+    round measures it and the choice turns within a few explorations."""
+    choice = TreeChoice(BUCKETS, explore_every=4)
+    feed(choice, 1, 20, {True: 1.0e-3, False: 1.0e-3}, {True: 4, False: 3})
+    assert choice.best(1) is True
+    modes = feed(choice, 1, 200, {True: 1.0e-3, False: 0.5e-3}, {True: 4, False: 3})
+    assert choice.best(1) is False and modes[-20:].count(False) >= 20 - 20 // 4
+
+
+def test_a_step_that_also_prefilled_does_not_move_a_measured_cost():
+    choice = TreeChoice(BUCKETS)
+    choice.observe(1, True, 1.0e-3, [4])
+    choice.observe(1, True, 9.0e-3, [4], clean=False)  # the step's time holds a prefill's
+    assert choice.costs[(1, True)] == 1.0e-3
+    choice.observe(1, False, 9.0e-3, [3], clean=False)  # no figure yet: better than none
+    assert choice.costs[(1, False)] == 9.0e-3
+    choice.forget()
+    assert not choice.costs and not choice.tokens and choice.choose(1) is True

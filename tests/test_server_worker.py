@@ -360,3 +360,15 @@ def test_a_kernel_loaded_while_serving_is_counted_and_logged(folder, caplog):
     assert 'deltaflash_kernel_loads_total{source="disk cache"} 1.0' in text
     assert sum("paged_attention_kernel was compiled while serving" in r.getMessage() for r in caplog.records) == 2
     assert knobs.listener is None
+
+
+def test_rounds_are_counted_by_kind():
+    """/metrics counts decode rounds as trees, chains or plain decoding (the trees-or-chains choice)."""
+    from deltaflash.core.request import StepReport
+
+    metrics = Metrics()
+    for widths, budget in (((8, 1), 16), ((8, 8), 0), ((1, 1), 0), ((8,), 16), ((), 0)):
+        metrics.observe_step(StepReport(0, 0, 0.0, len(widths), 0.001, widths=widths, tree_budget=budget))
+    counts = {s.labels["kind"]: s.value for f in metrics.registry.collect() for s in f.samples
+              if s.name == "deltaflash_rounds_total"}
+    assert counts == {"tree": 2, "chain": 1, "plain": 1}

@@ -400,13 +400,13 @@ def test_sampled_tree_speculation_keeps_the_target_distribution(peaked, monkeypa
 
 
 def test_rounds_of_more_lanes_than_tree_max_lanes_verify_chains(pairs, monkeypatch):
-    """With tree_max_lanes 1 (the default), a round of two lanes verifies top-1 chains of the block and a
-    round of one lane a tree; the outputs are target-only greedy's either way."""
+    """With tree_max_lanes 1, a round of two lanes verifies top-1 chains of the block and a round of one
+    lane a tree; the outputs are target-only greedy's either way."""
     target, draft = pairs[("dense_gqa", "dflash")]
     batch = prompts(96, [3, 11], seed=5)
     plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64, page_size=4), batch)]
-    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, max_model_len=64, page_size=4)
-    assert engine.config.tree_max_lanes == 1 and engine.runner.widths == (1, BLOCK)
+    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, tree_max_lanes=1, max_model_len=64, page_size=4)
+    assert engine.scheduler.tree_choice is None and engine.runner.widths == (1, BLOCK)
     rounds, real_round = [], engine.runner._round
     monkeypatch.setattr(engine.runner, "_round", lambda plan: (rounds.append((len(plan.decode), plan.tree_budget,
                                                                              plan.round_width)), real_round(plan))[1])
@@ -415,6 +415,61 @@ def test_rounds_of_more_lanes_than_tree_max_lanes_verify_chains(pairs, monkeypat
     assert {r for r in speculative if r[0] == 2} and all(r[1:] == (0, BLOCK) for r in speculative if r[0] == 2)
     assert {r for r in speculative if r[0] == 1} and all(r[1:] == (8, 8) for r in speculative if r[0] == 1)
     assert [c.token_ids for c in done] == [plain[0][:8], plain[1]]
+
+
+def test_trees_or_chains_by_measured_tokens_per_second(pairs, monkeypatch):
+    """By default (tree_max_lanes None) a tree engine's rounds take trees or chains by what each has measured
+    at the round's lane bucket (TreeChoice): at a bucket without figures the first round verifies a tree and
+    the next a chain; with chains made to look faster at two lanes and trees at one, two-lane rounds verify
+    chains and one-lane rounds trees. The outputs are target-only greedy's throughout, and step reports
+    say which rounds were trees."""
+    target, draft = pairs[("dense_gqa", "dflash")]
+    batch = prompts(96, [3, 11], seed=5)
+    plain = [c.token_ids for c in greedy(engine_for(target, max_model_len=64, page_size=4), batch, new=40)]
+    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, max_model_len=64, page_size=4)
+    choice = engine.scheduler.tree_choice
+    assert engine.config.costed_trees and choice is not None and engine.runner.widths == (1, BLOCK)
+    rounds, real_round = [], engine.runner._round
+    monkeypatch.setattr(engine.runner, "_round", lambda plan: (rounds.append((len(plan.decode), plan.tree_budget,
+                                                                             plan.round_width)), real_round(plan))[1])
+    # what a round "took" by lanes and mode, whatever the CPU's timing says: 8x apart, more than tokens per
+    # lane can differ (1 to BLOCK), so the choice follows the cost
+    seconds = {(1, True): 0.125, (1, False): 1.0, (2, True): 1.0, (2, False): 0.125}
+    observe = choice.observe
+    monkeypatch.setattr(choice, "observe", lambda lanes, trees, s, tokens, clean=True: observe(
+        lanes, trees, seconds[(lanes, trees)], tokens, clean))
+    reports = []
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 40)]
+    ids = [engine.add_request(p, q) for p, q in zip(batch, params)]
+    out = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step(reports.append):
+            out[event.request_id] += event.token_ids
+    two = [r[1] for r in rounds if r[0] == 2 and r[2] > 1]
+    one = [r[1] for r in rounds if r[0] == 1 and r[2] > 1]
+    assert two[:2] == [8, 0] and two[2:] and set(two[2:]) <= {0, 8} and two[2:].count(0) > two[2:].count(8)
+    assert one[:2] == [8, 0] and one[2:] and one[2:].count(8) > one[2:].count(0)
+    assert [r.tree_budget for r in reports if any(w > 1 for w in r.widths)] == [r[1] for r in rounds if r[2] > 1]
+    assert [out[i] for i in ids] == [plain[0][:12], plain[1]]
+
+
+def test_a_seeded_sampled_request_verifies_trees_at_any_load(pairs):
+    """A seeded sampled request must not draw differently as the load changes: every round holding one
+    verifies trees, whatever tree_max_lanes says for its lanes (here: chains above one lane)."""
+    target, draft = pairs[("dense_gqa", "dflash")]
+    batch = prompts(96, [3, 11], seed=5)
+    seeded = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    alone = engine_for(target, draft, tree_budget=8, tree_top_k=3, tree_max_lanes=1, max_model_len=64,
+                       page_size=4).generate([batch[0]], [seeded])[0][0].token_ids
+    engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, tree_max_lanes=1, max_model_len=64, page_size=4)
+    reports = []
+    first = engine.add_request(batch[0], seeded)
+    engine.add_request(batch[1], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    out = []
+    while engine.has_work():
+        out += [t for e in engine.step(reports.append) if e.request_id == first for t in e.token_ids]
+    assert {r.tree_budget for r in reports if r.decode_lanes == 2 and any(w > 1 for w in r.widths)} == {8}
+    assert out == alone
 
 
 def test_tree_options_are_checked(pairs):

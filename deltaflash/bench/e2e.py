@@ -229,16 +229,17 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
 
 def by_round_width(steps: list) -> dict:
     """The decode-only steps grouped by their round's width (the most rows a lane verified: what the
-    speculation policy chose): per width, the steps, their median wall ms, and the mean lanes and tokens
-    emitted per lane of those rounds - where an adaptive policy's choices and their costs can be read."""
-    groups: dict[int, list] = {}
+    speculation policy chose; a tree round under "tree N", its nodes): per width, the steps, their median
+    wall ms, and the mean lanes and tokens emitted per lane of those rounds - where an adaptive policy's
+    choices (widths, trees or chains) and their costs can be read."""
+    groups: dict[tuple[int, int], list] = {}
     for s, r in steps:
         if r.decode_lanes and not r.prefill_tokens:
-            groups.setdefault(max(r.widths, default=1), []).append((s, r))
+            groups.setdefault((r.tree_budget, max(r.widths, default=1)), []).append((s, r))
     table = {}
-    for width, rows in sorted(groups.items()):
+    for (budget, width), rows in sorted(groups.items()):
         emitted = [n for _, r in rows for n in r.accepted_lengths]
-        table[str(width)] = {"steps": len(rows), "step_p50_ms": 1e3 * percentile([s for s, _ in rows], 50),
+        table[f"tree {budget}" if budget else f"W {width}"] = {"steps": len(rows), "step_p50_ms": 1e3 * percentile([s for s, _ in rows], 50),
                              "lanes_mean": sum(r.decode_lanes for _, r in rows) / len(rows),
                              "tokens_per_lane": sum(emitted) / len(emitted) if emitted else 1.0}
     return table
@@ -393,8 +394,9 @@ def register(sub) -> None:
     p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
                    help="round widths chosen by load and acceptance, always the block, or auto: adaptive on CPU, fixed on CUDA")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
-    p.add_argument("--tree-max-lanes", type=int, default=1,
-                   help="with --tree-budget: rounds of more lanes verify chains (0: trees at every load)")
+    p.add_argument("--tree-max-lanes", type=int, default=None,
+                   help="with --tree-budget: rounds of more lanes verify chains (0: trees at every load; default: "
+                        "trees or chains by their measured tokens per second, EngineConfig.tree_max_lanes)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's products through the batch-invariant GEMM (ops/gemm) in both modes")
     p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -83,7 +83,7 @@ def report(result: dict) -> None:
     for p in result["points"]:
         if p["mode"] == "spec" and p.get("by_round_width"):
             print(f"  C={p['concurrency']} spec, decode steps by round width: " + ", ".join(
-                f"W {w}: {g['steps']} x {g['step_p50_ms']:.2f} ms, {g['lanes_mean']:.1f} lanes, "
+                f"{w}: {g['steps']} x {g['step_p50_ms']:.2f} ms, {g['lanes_mean']:.1f} lanes, "
                 f"{g['tokens_per_lane']:.2f} tokens/lane" for w, g in p["by_round_width"].items()))
         if p["mode"] == "spec":
             for d in p.get("first_differences", []):

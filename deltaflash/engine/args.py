@@ -31,9 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=0,
                    help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
     p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
-    p.add_argument("--tree-max-lanes", type=int, default=1,
+    p.add_argument("--tree-max-lanes", type=int, default=None,
                    help="with --tree-budget: rounds of more decoding lanes than this verify top-1 chains instead "
-                        "(0: trees at every load; trees pay at one client and lose from four on the H200)")
+                        "(0: trees at every load; default: each round takes trees or chains by the tokens per "
+                        "second each has measured at that load)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")

@@ -52,10 +52,14 @@ class EngineConfig:
     tree_budget: 0 = speculate with the drafter's top-1 chain; N >= 2 = with trees of N nodes (the anchor
         included) built from the block's per-depth candidates (speculative/tree.py), N rows per lane.
     tree_top_k: candidates per depth a tree may branch into.
-    tree_max_lanes: with trees, a round of more decoding lanes than this verifies the top-1 chains (the block)
-        instead (0: trees at every load). A tree's extra rows cost little beside one lane's round and more
-        than they accept once lanes share it: on the H200 the demo pair's tree of 16 beat the chain 1.10x at
-        one client and lost 0.75x at four (docs/benchmarks.md, twenty-first session).
+    tree_max_lanes: with trees, which rounds verify trees and which the top-1 chains (the block). None: each
+        round takes the mode with more tokens per second at its lane bucket, from what each mode's rounds
+        have measured (speculative/policy.py: TreeChoice; a tree's extra rows cost little beside a
+        launch-bound round and a lot beside a compute-bound one, so no fixed lane count serves every
+        model). N >= 1: trees in rounds of at most N decoding lanes, chains above; 0: trees at every load.
+        A round holding a seeded sampled request verifies trees whatever the rule (its output must not
+        depend on the load). Under tensor parallelism None resolves to 1 (choices from each rank's own
+        timings would part the ranks).
     speculation: "adaptive" = each round verifies the width (1, powers of two, the block) that maximises
         expected tokens per second from the lanes' acceptance so far and the measured cost of a round
         (speculative/policy.py); "fixed" = always the block; "auto" = adaptive on CPU, fixed on CUDA
@@ -93,7 +97,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tree_budget: int = 0
     tree_top_k: int = 4
-    tree_max_lanes: int = 1
+    tree_max_lanes: int | None = None
     speculation: str = "auto"
     block_size: int = 0
     kernels: str = "auto"
@@ -158,7 +162,7 @@ class EngineConfig:
 
             if block < 2:
                 raise DeltaflashError(f"tree_budget {self.tree_budget} needs a drafter (--draft)")
-            if self.tree_max_lanes < 0:
+            if self.tree_max_lanes is not None and self.tree_max_lanes < 0:
                 raise DeltaflashError(f"tree_max_lanes must be >= 0, got {self.tree_max_lanes}")
             if not 2 <= self.tree_budget <= 64 or self.tree_top_k < 1:
                 raise DeltaflashError(f"tree_budget must be 0 or in [2, 64] and tree_top_k >= 1, got "
@@ -166,8 +170,9 @@ class EngineConfig:
             if self.tree_budget > max_nodes(block - 1, self.tree_top_k, self.tree_budget):
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
+        tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
-                                   round_graphs=round_graphs,
+                                   round_graphs=round_graphs, tree_max_lanes=tree_max_lanes,
                                    block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len,
                                    idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))
@@ -182,12 +187,18 @@ class EngineConfig:
         """The chain widths rounds may verify (each has a CUDA graph; a tree engine's trees have their own)."""
         from deltaflash.speculative.policy import allowed_widths
 
-        if self.tree_budget:  # chains only in rounds of more than tree_max_lanes lanes (trees: their own graphs)
-            return (1, self.block_size) if self.tree_max_lanes else (1,)
+        if self.tree_budget:  # chains unless trees at every load (trees: their own graphs)
+            return (1, self.block_size) if self.tree_max_lanes != 0 else (1,)
         return allowed_widths(self.block_size) if self.adaptive else tuple(sorted({1, self.block_size}))
 
+    @property
+    def costed_trees(self) -> bool:
+        """A tree engine whose rounds choose trees or chains by their measured tokens per second."""
+        return bool(self.tree_budget) and self.tree_max_lanes is None
+
     def trees_for(self, lanes: int) -> bool:
-        """Whether a speculative round of `lanes` decoding lanes verifies trees."""
+        """Whether a speculative round of `lanes` decoding lanes verifies trees, by the fixed rule
+        (tree_max_lanes N; with costed_trees the scheduler's TreeChoice decides)."""
         return bool(self.tree_budget) and (not self.tree_max_lanes or lanes <= self.tree_max_lanes)
 
     @property

@@ -22,7 +22,7 @@ from deltaflash.engine.runner import ModelRunner, StepResult
 from deltaflash.engine.scheduler import Scheduler, StepPlan
 from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
-from deltaflash.speculative.policy import WidthPolicy
+from deltaflash.speculative.policy import TreeChoice, WidthPolicy
 from deltaflash.tokenizer import load_tokenizer
 
 log = logging.getLogger("deltaflash.engine")
@@ -57,10 +57,13 @@ class Engine:
         if self.config.adaptive:  # after capture: the calibration times what rounds will replay
             self.scheduler.policy = WidthPolicy(self.config.widths, buckets_for(self.config.max_slots),
                                                 self.runner.calibrate())
+        if self.config.costed_trees:
+            self.scheduler.tree_choice = TreeChoice(buckets_for(self.config.max_slots))
         if self.device.type == "cuda":
             self._warm_requests()
-            if self.scheduler.policy is not None:  # what the warm requests taught it is not about clients
-                self.scheduler.policy.forget()
+            for choice in (self.scheduler.policy, self.scheduler.tree_choice):  # what the warm requests taught
+                if choice is not None:  # them is not about clients
+                    choice.forget()
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
 
@@ -98,7 +101,9 @@ class Engine:
         (1, divisible by 16, neither) for one prompt and for several prefilled together: a one-token
         prompt alone never reaches the chunked GDN prefill kernels. Their slots are reset at the next
         admission, like any retired slot. With load-adaptive widths they run once at every width in use
-        (each width's commit kernels, acceptance and draft context are compiled for their own shapes).
+        (each width's commit kernels, acceptance and draft context are compiled for their own shapes); a
+        tree engine whose rounds may also verify chains runs them once with every round a tree and once
+        with every round a chain.
         """
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         new = min(2 * self.config.block_size + 1, self.config.max_model_len - 2)
@@ -106,16 +111,21 @@ class Engine:
         greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
         sampled = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)
         policy = self.scheduler.policy
+        # a tree engine whose rounds may also verify chains: both kinds of round, each at one lane and three
+        modes = (True, False) if self.config.tree_budget and self.config.tree_max_lanes != 0 else (None,)
         try:
             for width in self.config.widths if policy is not None else (None,):
-                if policy is not None:
-                    policy.pinned = width
-                for lengths in ((16,), (1, 3, 29)):
-                    prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
-                    self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
+                for trees in modes:
+                    if policy is not None:
+                        policy.pinned = width
+                    self.scheduler.pinned_trees = trees
+                    for lengths in ((16,), (1, 3, 29)):
+                        prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
+                        self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
         finally:
             if policy is not None:
                 policy.pinned = None
+            self.scheduler.pinned_trees = None
 
     @property
     def pool(self):
@@ -210,7 +220,7 @@ class Engine:
             on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
                                  len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted),
-                                 result.prefill_graphed, result.device_idle_s))
+                                 result.prefill_graphed, result.device_idle_s, plan.tree_budget))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
@@ -226,9 +236,12 @@ class Engine:
                     self._emit(seq, *next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
-        out, policy = result.round, self.scheduler.policy
+        out, policy, choice = result.round, self.scheduler.policy, self.scheduler.tree_choice
         if policy is not None and plan.decode:
             policy.costs.observe(policy.bucket(len(plan.decode)), plan.round_width, result.decode_s)
+        if choice is not None and plan.round_width > 1:
+            choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,
+                           [n + 1 for n, w in zip(out.accepted, plan.widths) if w > 1], clean=not plan.prefill)
         for seq, width, accepted, tokens, logprobs in zip(plan.decode, plan.widths, out.accepted, out.tokens,
                                                           out.logprobs):
             seq.draws += 1

@@ -22,7 +22,7 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.speculative.policy import WidthPolicy
+from deltaflash.speculative.policy import TreeChoice, WidthPolicy
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_pages: int, policy: WidthPolicy | None = None):
-        """policy: chooses each round's width (load-adaptive speculation); None: the block, always."""
-        self.config, self.policy = config, policy
+    def __init__(self, config: EngineConfig, num_pages: int, policy: WidthPolicy | None = None,
+                 tree_choice: TreeChoice | None = None):
+        """policy: chooses each round's width (load-adaptive speculation); None: the block, always.
+        tree_choice: a tree engine's choice of trees or chains per round (config.costed_trees); None: the
+        fixed rule (config.trees_for)."""
+        self.config, self.policy, self.tree_choice = config, policy, tree_choice
+        self.pinned_trees: bool | None = None  # a tree engine's rounds all trees / all chains (the warm-up's)
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
         # pages kept free when admitting beside running sequences, so their next rounds rarely preempt
@@ -141,7 +145,7 @@ class Scheduler:
     def widths(self, decode: list[Sequence]) -> tuple[list[int], int, int]:
         """(each lane's width: 1 + the drafts it may accept, the round's rows per lane, the round's tree
         budget or 0 for chains): the policy's choice, or every lane at its most and the block - a tree's
-        nodes when the round's lanes are few enough for trees (config.trees_for) - when any speculates."""
+        nodes when the round verifies trees (trees()) - when any speculates."""
         if self.config.block_size <= 1:  # no drafter: every lane decodes one row
             return [1] * len(decode), 1, 0
         caps = [self.width(s) for s in decode]
@@ -150,9 +154,22 @@ class Scheduler:
             return lanes, round_width, 0
         if not any(w > 1 for w in caps):
             return caps, 1, 0
-        if self.config.trees_for(len(decode)):
+        if self.trees(decode):
             return caps, self.config.tree_budget, self.config.tree_budget
         return caps, self.config.block_size, 0
+
+    def trees(self, decode: list[Sequence]) -> bool:
+        """Whether a speculative round of these lanes verifies trees: always when one is a seeded sampled
+        request (its output must not depend on the load), else the tree choice or the fixed rule."""
+        if not self.config.tree_budget:
+            return False
+        if self.pinned_trees is not None:
+            return self.pinned_trees
+        if any(s.params.seed is not None and not s.params.greedy for s in decode):
+            return True
+        if self.tree_choice is not None:
+            return self.tree_choice.choose(len(decode))
+        return self.config.trees_for(len(decode))
 
     def reach(self, round_width: int) -> int:
         """Positions past its committed length that a round of `round_width` rows writes for every lane

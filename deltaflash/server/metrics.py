@@ -49,6 +49,9 @@ class Metrics:
         self.lane_width = Histogram("deltaflash_lane_width", "Rows each lane of a round verified (1 + the drafts it "
                                     "could accept; 1: no drafting): the load-adaptive speculation's choice",
                                     buckets=buckets, registry=r)
+        self.rounds = Counter("deltaflash_rounds", "Decode rounds by kind: 'tree' verified draft trees, 'chain' "
+                              "top-1 chains, 'plain' no drafts (with --tree-budget: the trees-or-chains choice)",
+                              ["kind"], registry=r)
         self.prefill_tokens_per_step = Histogram("deltaflash_prefill_tokens_per_step",
                                                  "Prompt tokens prefilled in a step that prefilled (at most "
                                                  "--max-num-batched-tokens beside a round, "
@@ -84,6 +87,8 @@ class Metrics:
             self.prefill_steps.labels(path="graph" if report.prefill_graphed else "eager").inc()
         if report.decode_lanes:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
+            kind = "tree" if report.tree_budget else "chain" if any(w > 1 for w in report.widths) else "plain"
+            self.rounds.labels(kind=kind).inc()
         for n in report.accepted_lengths:
             self.accepted_length.observe(n)
         for w in report.widths:

@@ -182,3 +182,67 @@ class WidthPolicy:
 def _optimistic_tokens(width: int) -> float:
     """Expected tokens of a probing lane: every draft at FIRST_RATE."""
     return sum(FIRST_RATE ** i for i in range(width))
+
+
+TREE_EXPLORE_EVERY = 32  # a bucket's rounds per round of the mode that lost there (keeps its figures current)
+
+
+@dataclass
+class TreeChoice:
+    """Trees or top-1 chains, round by round, for an engine that drafts trees (config.tree_max_lanes None).
+
+    A tree's extra rows cost little beside a launch-bound round and a lot beside a compute-bound one: the
+    demo pair's tree of 16 beats its chain at 1, 4 and 16 lanes on the H200, while on the 9B shape a tree
+    round of 16 lanes costs 1.5x the chain's for 1.2x its tokens. So each round takes the mode with more
+    tokens per second at its lane bucket: tokens a speculating lane emits per round of that mode (an
+    engine-wide decayed mean: acceptance does not depend on the load) over the mode's round time at the
+    bucket (a decayed mean of the rounds measured there). A mode without figures at a bucket is tried there
+    first (trees first); then the mode that lost runs one round in every `explore_every` at that bucket, so
+    a drifting cost or acceptance can turn the choice back. Greedy output is the same either way.
+    """
+
+    buckets: tuple[int, ...]
+    explore_every: int = TREE_EXPLORE_EVERY
+    tokens: dict[bool, float] = field(default_factory=dict)  # trees? -> tokens per speculating lane per round
+    costs: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, trees?) -> seconds per round
+    since: dict[int, int] = field(default_factory=dict)  # bucket -> rounds since the losing mode last ran there
+
+    def bucket(self, lanes: int) -> int:
+        return next((b for b in self.buckets if b >= lanes), lanes)
+
+    def best(self, bucket: int) -> bool | None:
+        """The mode with more tokens per second at `bucket`, None while either lacks figures there."""
+        rate = {}
+        for trees in (True, False):
+            if trees not in self.tokens or (bucket, trees) not in self.costs:
+                return None
+            rate[trees] = self.tokens[trees] / max(self.costs[(bucket, trees)], 1e-9)
+        return rate[True] >= rate[False]
+
+    def choose(self, lanes: int) -> bool:
+        """Whether a round of `lanes` decoding lanes verifies trees (no state changes: observe does that)."""
+        bucket = self.bucket(lanes)
+        best = self.best(bucket)
+        if best is None:  # try what has no figures here yet
+            return not (True in self.tokens and (bucket, True) in self.costs)
+        return best if self.since.get(bucket, 0) + 1 < self.explore_every else not best
+
+    def observe(self, lanes: int, trees: bool, seconds: float, tokens: Seqs[int], clean: bool = True) -> None:
+        """A round of `lanes` lanes ran in mode `trees`, took `seconds` and its speculating lanes emitted
+        `tokens`. `clean`: the seconds are the round's alone (a step that also prefilled is not: its time
+        then counts only where the mode has no figure at that bucket yet)."""
+        bucket = self.bucket(lanes)
+        best = self.best(bucket)
+        self.since[bucket] = 0 if best is None or trees != best else self.since.get(bucket, 0) + 1
+        old = self.costs.get((bucket, trees))
+        if old is None or clean:
+            self.costs[(bucket, trees)] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        for n in tokens:
+            mean = self.tokens.get(trees)
+            self.tokens[trees] = n if mean is None else ENGINE_DECAY * mean + (1 - ENGINE_DECAY) * n
+
+    def forget(self) -> None:
+        """No figures: what the warm-up measured is not about clients."""
+        self.tokens.clear()
+        self.costs.clear()
+        self.since.clear()

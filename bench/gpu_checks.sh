@@ -8,7 +8,7 @@
 # Steps: tests spec target tune kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
-# treeprofile treedefault treeops firstpair rgdemo treechoice (tp: the 27B shape's round at TP 1 and
+# treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
@@ -134,6 +134,17 @@ for step in "$@"; do
                               --out "$OUT/treepair$budget-$run" --quiet
                       done
                   done ;;
+        rgprofile) for lanes in ${RG_LANES:-16 40 64}; do  # a step with round graphs off / on, by lanes (the C = 64 question)
+                       for flag in --no-round-graphs --round-graphs; do
+                           run rgprofile 90 python3 bench/step_profile.py --lanes $lanes --max-slots 64 --steps 40 --rows 12 $flag
+                       done
+                   done ;;
+        rg64) for run in 1 2; do  # C = 64 with round graphs off / on, alternating (the machine drifts between runs)
+                  for flag in --no-round-graphs --round-graphs; do
+                      run rg64 120 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 64 $flag \
+                          --no-profile --out "$OUT/rg64$flag-$run" --quiet
+                  done
+              done ;;
         rgdemo) for flag in --no-round-graphs --round-graphs; do  # demo pair at the serve defaults, round graphs off / on
                     run rgdemo 200 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 64 \
                         $flag --no-profile --out "$OUT/rgdemo$flag" --quiet

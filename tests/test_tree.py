@@ -391,11 +391,13 @@ def test_sampled_tree_speculation_keeps_the_target_distribution(peaked, monkeypa
     target, draft = peaked
     plain = sampled(engine_for(target, max_slots=64), 0)
     off_chain = record_off_chain(monkeypatch)
-    trees = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3, tree_max_lanes=0), 100_000)
+    # (sampled rounds never replay a greedy round graph; its capture would meet the patched acceptance's reads)
+    config = dict(max_slots=64, tree_budget=8, tree_top_k=3, tree_max_lanes=0, round_graphs=False)
+    trees = sampled(engine_for(target, draft, **config), 100_000)
     assert min(p_values(plain, trees)) > 1e-3
     assert sum(off_chain) > 0  # sampled walks accepted candidates other than the best
     monkeypatch.setattr(runner_module, "accept_tree", accept_first_child)
-    broken = sampled(engine_for(target, draft, max_slots=64, tree_budget=8, tree_top_k=3, tree_max_lanes=0), 200_000)
+    broken = sampled(engine_for(target, draft, **config), 200_000)
     assert min(p_values(plain, broken)) < 1e-4
 
 
@@ -498,8 +500,8 @@ def test_tree_commits_leave_the_state_of_plain_decoding(pairs, monkeypatch, rout
     off_chain = record_off_chain(monkeypatch)
     source = ScriptedSource({tuple(prompt): expected}, BLOCK, 96, corrupt=0.4, seed=2)
     kernels = "reference" if route == "reference" else "triton"
-    tree = engine_for(target, draft_source=source, tree_budget=budget, max_model_len=64, max_slots=1,
-                      kernels=kernels)
+    tree = engine_for(target, draft_source=source, tree_budget=budget, tree_max_lanes=0, max_model_len=64,
+                      max_slots=1, kernels=kernels, round_graphs=False)  # (the round graph route: stood in below)
     runner, commits = tree.runner, []
     real_unread, real_late = runner_module.commit_unread_tree, runner._commit
     monkeypatch.setattr(runner_module, "commit_unread_tree", lambda *a: (commits.append("unread"), real_unread(*a)))

@@ -150,7 +150,7 @@ class ModelRunner:
             draft_source = DFlashSource(drafter, model.vocab, self.pool.tables, W, factory, self.kernels,
                                         (config.tree_budget, config.tree_top_k) if config.tree_budget else None,
                                         chains=len(config.widths) > 1)
-        elif hasattr(draft_source, "use_kernels"):  # (a scripted source builds its trees with the engine's kernels)
+        elif draft_source is not None:
             draft_source.use_kernels(self.kernels)
         self.source = draft_source
         self.penalty_history = PenaltyHistory(config.max_slots, self.cfg.vocab_size, self.device)

@@ -39,6 +39,9 @@ class DraftSource(Protocol):
     block_size: int                   # W: rows a speculating lane verifies (anchor + W-1 drafts)
     tap_layer_ids: tuple[int, ...]    # target layers whose hidden states the source reads
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Draft (and build trees) with the engine's kernel set (the runner calls this once, at start)."""
+
     def reset(self, slot: int) -> None:
         """Forget the slot's context (admission of a new sequence)."""
 
@@ -81,8 +84,7 @@ class DFlashSource:
         c = drafter.config
         self.block_size = block_size or c.block_size
         self.tap_layer_ids = tuple(c.target_layer_ids)
-        self.kernels = kernels = kernels if kernels is not None else reference_kernels()
-        self.attend, self.build_ranked = kernels.paged_attention, kernels.build_ranked_tree
+        self.kernels = kernels if kernels is not None else reference_kernels()
         self.context = DraftContextCache(tables, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                          head_dim=c.head_dim, dtype=drafter.dtype, device=vocab.device)
         self.block_graphs = self.append_graphs = None
@@ -96,6 +98,9 @@ class DFlashSource:
         self.tree, self.tree_graphs = tree, None
         if graph_factory is not None and tree is not None:
             self.tree_graphs = graph_factory(f"drafter tree of {tree[0]}", self._tree_nodes, lane)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        self.kernels = kernels
 
     def reset(self, slot: int) -> None:
         self.context.reset(slot)
@@ -118,7 +123,8 @@ class DFlashSource:
         """The block's hidden [L, W-1, H] and logits [L, W-1, V] of the drafted slots (gather False: this
         rank's vocabulary share of the logits under tensor parallelism)."""
         hidden = draft_hidden(self.drafter, self.context, self.vocab, slot_ids, anchors, start,
-                              self.block_size, max_context_len=max_context_len, attend=self.attend)[:, 1:]
+                              self.block_size, max_context_len=max_context_len,
+                              attend=self.kernels.paged_attention)[:, 1:]
         return hidden, self.drafter.logits(hidden, self.vocab, gather)
 
     def _block_shares(self, slot_ids, anchors, start):
@@ -164,7 +170,7 @@ class DFlashSource:
             children = dflash2_children(self.drafter.candidate_selector, hidden, logits, top_k)
             return build_tree(children, anchors, self.block_size - 1, budget, top_k)
         log_p, tokens = dflash_candidates(logits[:, :self.block_size - 1], top_k, self.kernels.vocab_top_k)
-        return DraftTree.of(self.build_ranked(log_p, tokens, anchors, budget), self.block_size - 1, top_k)
+        return DraftTree.of(self.kernels.build_ranked_tree(log_p, tokens, anchors, budget), self.block_size - 1, top_k)
 
     def _tree_nodes(self, slot_ids, anchors, start) -> tuple[Tensor, ...]:
         """The configured tree of every lane as tensors (what the tree graph captures): the block forward
@@ -201,8 +207,8 @@ class ScriptedSource:
         self.build_ranked = build_ranked_tree_ref
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Build trees with the engine's kernel set (the runner calls this): the torch builder's ~100 small
-        launches would be the scripted rounds' own cost, not the engine's."""
+        """Build trees with the engine's kernel set: the torch builder's ~100 small launches would be the
+        scripted rounds' own cost, not the engine's."""
         self.build_ranked = kernels.build_ranked_tree
 
     def reset(self, slot: int) -> None:

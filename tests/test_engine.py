@@ -181,6 +181,11 @@ def test_config_is_resolved_once_with_the_environment():
     assert EngineConfig(round_graphs=False).resolve(cuda, 8, env={}).round_graphs is False
     with pytest.raises(DeltaflashError, match="round_graphs needs cuda_graphs and the fused kernels"):
         EngineConfig(round_graphs=True).resolve(cpu, 8)
+    # trees or chains: by their measured costs, unless a fixed rule is given or ranks would part
+    assert EngineConfig(tree_budget=8).resolve(cuda, 8, env={}).costed_trees
+    assert not EngineConfig(tree_budget=8, tree_max_lanes=1).resolve(cuda, 8, env={}).costed_trees
+    sharded = EngineConfig(tree_budget=8, tensor_parallel_size=2).resolve(cuda, 8, env={})
+    assert (sharded.tree_max_lanes, sharded.costed_trees, sharded.widths) == (1, False, (1, 8))
     with pytest.raises(DeltaflashError, match="needs a drafter"):
         EngineConfig(block_size=4).resolve(cpu, None)
     with pytest.raises(DeltaflashError, match="max_slots"):

@@ -110,7 +110,7 @@ for step in "$@"; do
                    done ;;
         treeprofile) DELTAFLASH_NO_CUDA_GRAPHS=1 run treeprofile 200 python3 bench/profile_round.py 1 16 --tree-budget 0 16 ;;  # 9B: the tree round's extra cost by kernel group
         treedefault) run treedefault 120 python3 -m deltaflash bench e2e --workload demo --prompts 16 --concurrency 1 4 16 \
-                         --tree-budget 16 --round-graphs --no-profile --out "$OUT/treedefault" --quiet ;;  # trees at one lane, chains above (--tree-max-lanes 1)
+                         --tree-budget 16 --round-graphs --no-profile --out "$OUT/treedefault" --quiet ;;  # the default --tree-max-lanes: trees or chains by cost
         treeops) run treeops 120 python3 bench/tree_ops.py ;;  # issue 17: the vocabulary top-k and ancestor mask, torch vs kernels
         verifytrees) run verifytrees 120 python3 bench/verify_trees.py ;;  # issue 17: the GDN kernel's tree path vs chains
         randomdraft) run randomdraft 300 python3 -m deltaflash bench e2e --workload scripted --corrupt 1.0 --prompts 16 \

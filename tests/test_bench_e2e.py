@@ -192,6 +192,29 @@ def test_summary_groups_decode_steps_by_round_width():
                                 "tokens_per_lane": 5.0}
 
 
+def test_repeats_alternate_the_modes_and_keep_the_median_run(monkeypatch):
+    """--repeats 3: spec, target-only, spec, ... run one after another at each concurrency, and each point
+    is the run of median tokens/s, all runs' tokens/s beside it (the machine drifts between runs)."""
+    order, speeds = [], iter([9.0, 4.0, 5.0, 6.0, 7.0, 5.0])  # spec 9, 5, 7; target-only 4, 6, 5
+
+    def measure(engine, workload, concurrency, requests):
+        order.append(engine)
+        tps = next(speeds)
+        return {"tokens_per_s": tps, "mean_accepted_length": None}, [[int(tps)]]
+
+    monkeypatch.setattr(e2e, "build_engines", lambda workload, profile: ({m: m for m in e2e.MODES}, {}))
+    monkeypatch.setattr(e2e, "_measure", measure)
+    monkeypatch.setattr(e2e, "explain", lambda *args: None)
+    monkeypatch.setattr(e2e, "near_tie_margin", lambda engine: 0.0)
+    workload = e2e.Workload("demo", "test", [[1]], SamplingParams(max_new_tokens=1), None, 4)
+    result = e2e.sweep(workload, [1], profile=False, repeats=3)
+    assert order == ["spec", "target-only"] * 3
+    spec, plain = result["points"]
+    assert (spec["tokens_per_s"], spec["tokens_per_s_runs"]) == (7.0, [9.0, 5.0, 7.0])
+    assert (plain["tokens_per_s"], plain["tokens_per_s_runs"]) == (5.0, [4.0, 6.0, 5.0])
+    assert result["figures"]["spec_over_target_only_c1"]["value"] == pytest.approx(7.0 / 5.0)
+
+
 def test_compare_reports_where_each_sequence_first_differs():
     points = [{"mode": "spec"}, {"mode": "target-only"}]
     e2e_stats.compare(points, [[1, 2, 3], [4, 5, 9, 7], [1, 2]], [[1, 2, 3], [4, 5, 6, 7], [1, 2, 8]])

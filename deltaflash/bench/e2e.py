@@ -33,6 +33,7 @@ from deltaflash.bundled import BUNDLED
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.engine import Engine
+from deltaflash.errors import DeltaflashError
 from deltaflash.ops.compiles import kernel_loads
 
 MODES = ("spec", "target-only")
@@ -276,33 +277,36 @@ def build_engines(workload: Workload, profile: bool) -> tuple[dict, dict]:
     return ({m: built[m, False] for m in MODES}, {m: built[m, True] for m in MODES} if profile else {})
 
 
-def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, bar=None, least_requests: int = 0) -> dict:
+def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, bar=None, least_requests: int = 0,
+          repeats: int = 1) -> dict:
     """Every (concurrency, mode) point of one workload; spec outputs checked against target-only. A point
     serves max(prompts, C, least_requests) requests: past C, the clients' later requests run beside
-    others already decoding (a steady state) instead of one wave that starts and ends together."""
+    others already decoding (a steady state) instead of one wave that starts and ends together.
+    `repeats`: each point runs that many times, the modes alternating (spec, target-only, spec, ...), and
+    keeps the run of median tokens/s (all runs' tokens/s in `tokens_per_s_runs`): the machine's speed
+    drifts between runs, and a single short wave can land on either side of it."""
     points, outputs = [], {}
     engines, profilers = build_engines(workload, profile)
     for c in concurrencies:
         requests = max(len(workload.prompts), c, least_requests)
+        runs = {mode: [] for mode in MODES}
+        for _ in range(repeats):
+            for mode in MODES:
+                if bar is not None:
+                    bar.set_description(f"{workload.name} C={c} {mode}")
+                runs[mode].append(_measure(engines[mode], workload, c, requests))
+                if bar is not None:
+                    bar.update()
         for mode in MODES:
-            if bar is not None:
-                bar.set_description(f"{workload.name} C={c} {mode}")
-            warm = SamplingParams(max_new_tokens=min(4, workload.params.max_new_tokens), ignore_eos=True)
-            if engines[mode].device.type == "cuda":
-                drive(engines[mode], workload.prompts, warm, c, c)  # CUDA graph capture outside the timing
-            with kernel_loads() as loads:  # compiles inside the measured requests (should be none)
-                traces, steps, wall = drive(engines[mode], workload.prompts, workload.params, c, requests)
-            point = {"workload": workload.name, "concurrency": c, "mode": mode} | summarize(traces, steps, wall)
-            point["kernel_loads"] = len(loads)
-            point["kernels_loaded"] = sorted({name for name, _ in loads})
-            point["accepted_lengths"] = [n for _, r in steps for n in r.accepted_lengths]
+            ranked = sorted(runs[mode], key=lambda run: run[0]["tokens_per_s"])
+            point, tokens = ranked[(len(ranked) - 1) // 2]  # the median run (the lower of two middle ones)
+            point = {"workload": workload.name, "concurrency": c, "mode": mode} | point
+            point["tokens_per_s_runs"] = [run[0]["tokens_per_s"] for run in runs[mode]]
             if profile:
                 _, prof_steps, _ = drive(profilers[mode], workload.prompts, workload.params, c, c)
                 point["phase_shares"] = phase_shares(prof_steps)
-            outputs[(c, mode)] = [t.token_ids for t in traces]
+            outputs[(c, mode)] = tokens
             points.append(point)
-            if bar is not None:
-                bar.update()
         compare(points[-2:], outputs[(c, "spec")], outputs[(c, "target-only")])
         explain(points[-2:], engines["target-only"], workload.prompts, outputs[(c, "target-only")],
                 near_tie_margin(engines["target-only"]))
@@ -310,6 +314,20 @@ def sweep(workload: Workload, concurrencies: list[int], profile: bool = True, ba
             "tree_budget": workload.meta.get("tree_budget", 0),
             "max_new_tokens": workload.params.max_new_tokens, "prompts": len(workload.prompts),
             "meta": workload.meta, "points": points, "figures": figures(points, workload)}
+
+
+def _measure(engine: Engine, workload: Workload, concurrency: int, requests: int) -> tuple[dict, list]:
+    """One run of a point: (its summary, every request's output tokens)."""
+    if engine.device.type == "cuda":  # CUDA graph capture outside the timing
+        warm = SamplingParams(max_new_tokens=min(4, workload.params.max_new_tokens), ignore_eos=True)
+        drive(engine, workload.prompts, warm, concurrency, concurrency)
+    with kernel_loads() as loads:  # compiles inside the measured requests (should be none)
+        traces, steps, wall = drive(engine, workload.prompts, workload.params, concurrency, requests)
+    point = summarize(traces, steps, wall)
+    point["kernel_loads"] = len(loads)
+    point["kernels_loaded"] = sorted({name for name, _ in loads})
+    point["accepted_lengths"] = [n for _, r in steps for n in r.accepted_lengths]
+    return point, [t.token_ids for t in traces]
 
 
 def near_tie_margin(engine: Engine) -> float:
@@ -356,10 +374,13 @@ def run(args) -> int:
         from deltaflash.bench.e2e_server import run_server
 
         return run_server(args)
+    if args.repeats < 1:
+        raise DeltaflashError(f"--repeats must be >= 1, got {args.repeats}")
     max_c = max(args.concurrency)
     workload = (_demo_workload if args.workload == "demo" else _scripted_workload)(args, max_c)
-    with tqdm(total=len(args.concurrency) * len(MODES), unit="point", disable=args.quiet) as bar:
-        result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar, least_requests=args.requests)
+    with tqdm(total=len(args.concurrency) * len(MODES) * args.repeats, unit="run", disable=args.quiet) as bar:
+        result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar, least_requests=args.requests,
+                       repeats=args.repeats)
     result["machine"] = machine()
     out = Path(args.out)
     report(result)
@@ -384,6 +405,9 @@ def register(sub) -> None:
     p.add_argument("--prompts", type=int, default=32, help="distinct prompts (a point serves max(prompts, C) requests)")
     p.add_argument("--requests", type=int, default=0,
                    help="serve at least N requests per point (prompts reused): several per client, a steady state")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each point N times, spec and target-only alternating, and keep the median run's "
+                        "figures (the machine's speed drifts between runs)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="docs/bench", help="folder for e2e-<workload>.json and the PNGs")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

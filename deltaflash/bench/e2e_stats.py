@@ -81,6 +81,9 @@ def report(result: dict) -> None:
     for name, fig in result["figures"].items():
         print(f"  {name}: {fig['value']:.3f}  (dominant phase: {fig['dominant_phase']})")
     for p in result["points"]:
+        if len(p.get("tokens_per_s_runs", ())) > 1:
+            print(f"  C={p['concurrency']} {p['mode']}, tokens/s of the runs (the median kept): "
+                  + ", ".join(f"{x:.1f}" for x in p["tokens_per_s_runs"]))
         if p["mode"] == "spec" and p.get("by_round_width"):
             print(f"  C={p['concurrency']} spec, decode steps by round width: " + ", ".join(
                 f"{w}: {g['steps']} x {g['step_p50_ms']:.2f} ms, {g['lanes_mean']:.1f} lanes, "

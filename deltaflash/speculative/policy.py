@@ -188,43 +188,65 @@ TREE_EXPLORE_EVERY = 32  # a bucket's rounds per round of the mode that lost the
 
 
 @dataclass
+class DecayedMean:
+    """A mean in which each observation weighs 1 and the past decays by `decay` per observation: the
+    first few are averaged plainly (a first value is not carried for rounds, as an exponential average
+    seeded with it would: the losing mode is observed once in TREE_EXPLORE_EVERY rounds)."""
+
+    decay: float
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.total = self.decay * self.total + x
+        self.weight = self.decay * self.weight + 1.0
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+
+@dataclass
 class TreeChoice:
     """Trees or top-1 chains, round by round, for an engine that drafts trees (config.tree_max_lanes None).
 
     A tree's extra rows cost little beside a launch-bound round and a lot beside a compute-bound one: the
     demo pair's tree of 16 beats its chain at 1, 4 and 16 lanes on the H200, while on the 9B shape a tree
-    round of 16 lanes costs 1.5x the chain's for 1.2x its tokens. So each round takes the mode with more
-    tokens per second at its lane bucket: tokens a speculating lane emits per round of that mode (an
-    engine-wide decayed mean: acceptance does not depend on the load) over the mode's round time at the
-    bucket (a decayed mean of the rounds measured there). A mode without figures at a bucket is tried there
-    first (trees first); then the mode that lost runs one round in every `explore_every` at that bucket, so
-    a drifting cost or acceptance can turn the choice back. Greedy output is the same either way.
+    round of 16 lanes costs 1.5x the chain's for 1.2x its tokens (and on a CPU every row costs compute).
+    So each round takes the mode with more tokens per second at its lane bucket: tokens a speculating lane
+    emits per round of that mode (an engine-wide decayed mean: acceptance does not depend on the load) over
+    the mode's round time at the bucket (a decayed mean of the rounds measured there). A mode without
+    figures at a bucket is tried there first (trees first); then the mode that lost runs one round in every
+    `explore_every` at that bucket, so a drifting cost or acceptance can turn the choice back. Greedy
+    output is the same either way.
     """
 
     buckets: tuple[int, ...]
     explore_every: int = TREE_EXPLORE_EVERY
-    tokens: dict[bool, float] = field(default_factory=dict)  # trees? -> tokens per speculating lane per round
-    costs: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, trees?) -> seconds per round
+    tokens: dict[bool, DecayedMean] = field(default_factory=dict)  # trees? -> tokens per speculating lane a round
+    costs: dict[tuple[int, bool], DecayedMean] = field(default_factory=dict)  # (bucket, trees?) -> seconds a round
     since: dict[int, int] = field(default_factory=dict)  # bucket -> rounds since the losing mode last ran there
 
     def bucket(self, lanes: int) -> int:
         return next((b for b in self.buckets if b >= lanes), lanes)
 
+    def rate(self, bucket: int, trees: bool) -> float | None:
+        """Tokens per second a lane gets from rounds of that mode at `bucket` (None: no figures yet)."""
+        if trees not in self.tokens or (bucket, trees) not in self.costs:
+            return None
+        return self.tokens[trees].value / max(self.costs[(bucket, trees)].value, 1e-9)
+
     def best(self, bucket: int) -> bool | None:
         """The mode with more tokens per second at `bucket`, None while either lacks figures there."""
-        rate = {}
-        for trees in (True, False):
-            if trees not in self.tokens or (bucket, trees) not in self.costs:
-                return None
-            rate[trees] = self.tokens[trees] / max(self.costs[(bucket, trees)], 1e-9)
-        return rate[True] >= rate[False]
+        trees, chains = self.rate(bucket, True), self.rate(bucket, False)
+        return None if trees is None or chains is None else trees >= chains
 
     def choose(self, lanes: int) -> bool:
         """Whether a round of `lanes` decoding lanes verifies trees (no state changes: observe does that)."""
         bucket = self.bucket(lanes)
         best = self.best(bucket)
         if best is None:  # try what has no figures here yet
-            return not (True in self.tokens and (bucket, True) in self.costs)
+            return self.rate(bucket, True) is None
         return best if self.since.get(bucket, 0) + 1 < self.explore_every else not best
 
     def observe(self, lanes: int, trees: bool, seconds: float, tokens: Seqs[int], clean: bool = True) -> None:
@@ -234,12 +256,12 @@ class TreeChoice:
         bucket = self.bucket(lanes)
         best = self.best(bucket)
         self.since[bucket] = 0 if best is None or trees != best else self.since.get(bucket, 0) + 1
-        old = self.costs.get((bucket, trees))
-        if old is None or clean:
-            self.costs[(bucket, trees)] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        cost = self.costs.get((bucket, trees))
+        if cost is None or clean:
+            self.costs.setdefault((bucket, trees), DecayedMean(DECAY)).add(seconds)
+        mean = self.tokens.setdefault(trees, DecayedMean(ENGINE_DECAY))
         for n in tokens:
-            mean = self.tokens.get(trees)
-            self.tokens[trees] = n if mean is None else ENGINE_DECAY * mean + (1 - ENGINE_DECAY) * n
+            mean.add(n)
 
     def forget(self) -> None:
         """No figures: what the warm-up measured is not about clients."""

@@ -455,6 +455,28 @@ def test_trees_or_chains_by_measured_tokens_per_second(pairs, monkeypatch):
     assert [out[i] for i in ids] == [plain[0][:12], plain[1]]
 
 
+def test_the_warm_requests_run_trees_and_chains(pairs, monkeypatch):
+    """Start-up's warm requests (run on CUDA before the first client) take a tree engine that may also
+    verify chains through both kinds of round - seeded sampled lanes included, which alone would always
+    verify trees - and leave the choice free afterwards; an engine of trees at every load runs trees only."""
+    target, draft = pairs[("dense_gqa", "dflash")]
+    for max_lanes, want in ((None, {0, 8}), (0, {8})):
+        engine = engine_for(target, draft, tree_budget=8, tree_top_k=3, tree_max_lanes=max_lanes, max_model_len=64)
+        kinds, execute = [], engine.runner.execute
+
+        def recording(plan, *args, **kwargs):
+            if plan.round_width > 1:
+                kinds.append((plan.tree_budget, any(s.params.seed is not None for s in plan.decode)))
+            return execute(plan, *args, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "execute", recording)
+        engine._warm_requests()
+        assert {budget for budget, _ in kinds} == want
+        if 0 in want:  # chains with the seeded sampled lane in them too
+            assert (0, True) in kinds
+        assert engine.scheduler.pinned_trees is None and not engine.has_work()
+
+
 def test_a_seeded_sampled_request_verifies_trees_at_any_load(pairs):
     """A seeded sampled request must not draw differently as the load changes: every round holding one
     verifies trees, whatever tree_max_lanes says for its lanes (here: chains above one lane)."""

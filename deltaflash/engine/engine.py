@@ -110,22 +110,27 @@ class Engine:
         longest = self.config.max_model_len - new - 1
         greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
         sampled = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.9, top_k=50, seed=0, ignore_eos=True)
-        policy = self.scheduler.policy
-        # a tree engine whose rounds may also verify chains: both kinds of round, each at one lane and three
-        modes = (True, False) if self.config.tree_budget and self.config.tree_max_lanes != 0 else (None,)
+        policy, scheduler = self.scheduler.policy, self.scheduler
+        # what each pass pins: an adaptive engine's widths one by one; a tree engine whose rounds may also
+        # verify chains, every round a tree and then every round a chain (adaptive engines draft no trees)
+        if policy is not None:
+            pins = [(width, None) for width in self.config.widths]
+        elif self.config.tree_budget and self.config.tree_max_lanes != 0:
+            pins = [(None, True), (None, False)]
+        else:
+            pins = [(None, None)]
         try:
-            for width in self.config.widths if policy is not None else (None,):
-                for trees in modes:
-                    if policy is not None:
-                        policy.pinned = width
-                    self.scheduler.pinned_trees = trees
-                    for lengths in ((16,), (1, 3, 29)):
-                        prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
-                        self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
+            for width, trees in pins:
+                if policy is not None:
+                    policy.pinned = width
+                scheduler.pinned_trees = trees
+                for lengths in ((16,), (1, 3, 29)):
+                    prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
+                    self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
         finally:
             if policy is not None:
                 policy.pinned = None
-            self.scheduler.pinned_trees = None
+            scheduler.pinned_trees = None
 
     @property
     def pool(self):

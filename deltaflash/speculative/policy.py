@@ -212,8 +212,8 @@ class TreeChoice:
 
     A tree's extra rows cost little beside a launch-bound round and a lot beside a compute-bound one: on the
     H200 the demo pair's tree of 16 beats its chain at one lane and about matches it at 4 and 16, while on
-    the 9B shape a tree round of 16 lanes costs 1.5x the chain's for 1.2x its tokens (and on a CPU every
-    row costs compute).
+    the 9B shape a tree round of 16 lanes costs 1.5x the chain's, where the demo pair's tree accepts 1.2x
+    the chain's tokens (and on a CPU every row costs compute).
     So each round takes the mode with more tokens per second at its lane bucket: tokens a speculating lane
     emits per round of that mode (an engine-wide decayed mean: acceptance does not depend on the load) over
     the mode's round time at the bucket (a decayed mean of the rounds measured there). A mode without

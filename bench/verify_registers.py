@@ -1,15 +1,18 @@
-"""Registers and spills of the chain-only GDN verify kernel per tile, compiled for sm_90 without a GPU.
+"""Registers, spills and the row loop's instructions of the chain-only GDN verify kernel per tile,
+compiled for sm_90 without a GPU.
 
-Usage: python bench/verify_registers.py [8x1 16x1 32x1 16x4 ...]   (BV x num_warps; CPU is enough)
+Usage: python bench/verify_registers.py [8x1 16x1 32x1 16x4 ...] [--fp-fusion]   (BV x num_warps; CPU is enough)
 
-Compiles `gdn_verify_kernel` at the 9B shape (dk = dv 128, nk 16, nv 32, W 16) through Triton's
-sm_90 target and runs ptxas -v on the PTX; docs/benchmarks.md quotes its counts.
+Compiles `gdn_verify_kernel` at the 9B shape (dk = dv 128, nk 16, nv 32, W 16) through Triton's sm_90
+target, runs ptxas -v on the PTX and counts the SASS instructions (nvdisasm) of the row loop - the
+largest backward branch - by opcode: a static measure of the work per row and thread, not a timing.
 """
 
 import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -22,24 +25,57 @@ from deltaflash.ops.gdn.verify import gdn_verify_kernel
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", a="*bf16", b="*bf16", A_log="*fp32", dt_bias="*fp32",
                 recurrent_state="*fp32", state_slot_ids="*i64", parents="*i64", o="*bf16", replay_log="*fp32")
 UNIT_STRIDES = ("stride_q_d", "stride_k_d", "stride_v_d", "stride_s_v", "stride_p_w")
+SHOWN = ("FFMA", "FMUL", "FADD", "SHFL", "LDG", "STG", "LDS", "STS", "BAR", "LDL", "STL", "PRMT")
 
 
-def ptxas_report(bv: int, num_warps: int) -> str:
-    consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=bv, BW=16, LOG_BK=7, TREES=False,
+def compile_verify(bv: int, num_warps: int, fp_fusion: bool):
+    consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=bv, BW=16, TREES=False, GATES_GIVEN=False,
                   **{name: 1 for name in UNIT_STRIDES})
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name == "scale" else "i32")
                  for name in gdn_verify_kernel.arg_names}
-    kernel = triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
-                                         enable_reflect_ftz=False))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "verify.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "v.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+    return triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=fp_fusion,
+                                       enable_reflect_ftz=False))
+
+
+def ptxas_report(kernel, tmp: Path) -> str:
+    ptx = tmp / "verify.ptx"
+    ptx.write_text(kernel.asm["ptx"])
+    out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(tmp / "v.cubin")],
+                         capture_output=True, text=True, check=True).stderr
     return ", ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads", out))
 
 
+def row_loop_ops(kernel, tmp: Path) -> tuple[int, Counter]:
+    """(instructions, opcode counts) between the target of the largest backward branch and the branch."""
+    cubin = tmp / "k.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([str(Path(get_ptxas(90).path).parent / "nvdisasm"), str(cubin)],
+                          capture_output=True, text=True, check=True).stdout
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instructions)
+        elif m := re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instructions.append(m.group(1).strip())
+    loop = (0, -1)
+    for i, ins in enumerate(instructions):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
+        if m and labels.get(m.group(1), i + 1) <= i and i - labels[m.group(1)] > loop[1] - loop[0]:
+            loop = (labels[m.group(1)], i)
+    body = instructions[loop[0]:loop[1] + 1]
+    return len(body), Counter((ins.split()[1] if ins.startswith("@") else ins.split()[0]).split(".")[0] for ins in body)
+
+
 if __name__ == "__main__":
-    for config in sys.argv[1:] or ["8x1", "16x1", "32x1", "16x4"]:
-        print(config, ptxas_report(*map(int, config.split("x"))))
+    fp_fusion = "--fp-fusion" in sys.argv
+    configs = [a for a in sys.argv[1:] if a != "--fp-fusion"] or ["8x1", "16x1", "32x1", "16x4"]
+    print(f"FMA contraction {'on' if fp_fusion else 'off'}; row loop: SASS instructions per row and thread")
+    for config in configs:
+        kernel = compile_verify(*map(int, config.split("x")), fp_fusion)
+        with tempfile.TemporaryDirectory() as tmp:
+            regs = ptxas_report(kernel, Path(tmp))
+            n, ops = row_loop_ops(kernel, Path(tmp))
+        fp32 = ops["FFMA"] + ops["FMUL"] + ops["FADD"]
+        print(f"{config:5s} {regs}; row loop {n} instructions, fp32 {fp32}: "
+              + " ".join(f"{op} {ops[op]}" for op in SHOWN))

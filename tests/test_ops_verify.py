@@ -73,7 +73,8 @@ def path_plan(parents, last_node):
 
 def sequential_gdn(q, k, v, a, b, A_log, dt_bias, state):
     """One lane, rows in order, per token and per head. q, k [T, nk, dk]; v [T, nv, dv]; a, b [T, nv];
-    state [nv, dk, dv]. Returns o [T, nv, dv], states after each prefix [T+1, nv, dk, dv], log [T, nv, 1+dk+dv]."""
+    state [nv, dk, dv]. Returns o [T, nv, dv], states after each prefix [T+1, nv, dk, dv], log [T, nv, 1+dk+dv]
+    ([gamma, k as given, delta / |k|])."""
     T, nk, dk = q.shape
     nv = v.shape[1]
     S = state.clone().float()
@@ -81,9 +82,9 @@ def sequential_gdn(q, k, v, a, b, A_log, dt_bias, state):
     for t in range(T):
         o_t, log_t = [], []
         for h in range(nv):
-            kh = k[t, h // (nv // nk)].float()
+            k_raw = k[t, h // (nv // nk)].float()
             qh = q[t, h // (nv // nk)].float()
-            kh = kh / torch.sqrt((kh * kh).sum() + 1e-6)
+            kh = k_raw / torch.sqrt((k_raw * k_raw).sum() + 1e-6)
             qh = qh / torch.sqrt((qh * qh).sum() + 1e-6) * dk ** -0.5
             g = -torch.exp(A_log[h]) * F.softplus(a[t, h].float() + dt_bias[h])
             beta = torch.sigmoid(b[t, h].float())
@@ -91,7 +92,7 @@ def sequential_gdn(q, k, v, a, b, A_log, dt_bias, state):
             delta = beta * (v[t, h].float() - S[h].T @ kh)
             S[h] = S[h] + torch.outer(kh, delta)
             o_t.append(S[h].T @ qh)
-            log_t.append(torch.cat([torch.exp(g)[None], kh, delta]))
+            log_t.append(torch.cat([torch.exp(g)[None], k_raw, delta / torch.sqrt((k_raw * k_raw).sum() + 1e-6)]))
         outs.append(torch.stack(o_t))
         logs.append(torch.stack(log_t))
         states.append(S.clone())
@@ -288,43 +289,15 @@ def test_commit_ref_padding_lane_and_zero_accepted_write_nothing():
 # ---------------------------------------------------------------------------------------------
 # Triton kernels (TRITON_INTERPRET=1 on CPU) against the references. Outputs are pre-filled with NaN.
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from deltaflash.ops.conv.tree_step import conv_tree_step  # noqa: E402
 from deltaflash.ops.gdn.commit import conv_commit, replay_commit, state_commit  # noqa: E402
-from deltaflash.ops.gdn.naive import halving_sum  # noqa: E402
-from deltaflash.ops.gdn.verify import bit_index, gdn_verify, gdn_verify_kernel  # noqa: E402
-from deltaflash.ops.gdn.verify import halving_sum as halving_sum_kernel  # noqa: E402
+from deltaflash.ops.gdn.verify import gdn_verify, gdn_verify_kernel, gdn_verify_unfused  # noqa: E402
 
 interpreted = pytest.mark.skipif(
     not isinstance(gdn_verify_kernel, InterpretedFunction),
     reason="CPU kernel tests need TRITON_INTERPRET=1 before import (CUDA: tests/test_ops_gpu.py)")
-
-@triton.jit
-def _halving_probe(x, rows_out, vec_out, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr):
-    o_k, o_v = bit_index(LOG_BK), tl.arange(0, BV)
-    tl.store(rows_out + o_v, halving_sum_kernel(tl.load(x + tl.expand_dims(o_k, LOG_BK) * BV + o_v), LOG_BK))
-    tl.store(vec_out, halving_sum_kernel(tl.load(x + o_k * BV), LOG_BK))
-
-
-@interpreted
-@pytest.mark.parametrize("BK", [32, 64, 128])
-def test_kernel_dk_sums_use_the_reference_order_bit_for_bit(BK):
-    """The kernels' sums over dk are naive.halving_sum exactly (this is what makes the routes bitwise equal)."""
-    x = torch.randn(BK, 16, generator=torch.Generator().manual_seed(BK)) * torch.logspace(-3, 3, BK)[:, None]
-    rows, vec = torch.empty(16), torch.empty(1)
-    _halving_probe[(1,)](x, rows, vec, BK=BK, BV=16, LOG_BK=BK.bit_length() - 1)
-    assert torch.equal(rows, halving_sum(x, 0)) and torch.equal(vec[0], halving_sum(x[:, 0], 0))
-    assert not torch.equal(rows, x.sum(0))  # the order matters at this dynamic range
-
-
-def test_halving_sum_pads_odd_sizes():
-    x = torch.randn(3, 5, 7)
-    torch.testing.assert_close(halving_sum(x, 1), x.sum(1))
-    torch.testing.assert_close(halving_sum(x, -1), x.sum(-1))
-
 
 KERNEL_CASES = {  # name: (L, W, nk, nv, dk, dv, tree, dtype)
     "W1 dk32": (2, 1, 1, 2, 32, 16, False, torch.float32),
@@ -336,12 +309,12 @@ KERNEL_CASES = {  # name: (L, W, nk, nv, dk, dv, tree, dtype)
 }
 
 
-def run_verify_kernel(p, parents, chains=False):
+def run_verify_kernel(p, parents, chains=False, route=gdn_verify):
     L, W, nk, dk = p["q"].shape
     nv, dv = p["v"].shape[2:]
     o = torch.full((L, W, nv, dv), float("nan"), dtype=p["q"].dtype)
     log = torch.full((L, W, nv, 1 + dk + dv), float("nan"))
-    return gdn_verify(*verify_args(p, parents), out=o, replay_log_out=log, chains=chains)
+    return route(*verify_args(p, parents), out=o, replay_log_out=log, chains=chains)
 
 
 @interpreted
@@ -353,13 +326,14 @@ def test_gdn_verify_kernel_matches_ref(case):
     if tree == "forest":
         assert (parents[:, 1:] < 0).any()
     before = p["pool"].clone()
-    o, log = run_verify_kernel(p, parents)
     o_ref, log_ref = gdn_verify_ref(*verify_args(p, parents))
-    assert torch.equal(p["pool"], before)
-    assert not o.isnan().any() and not log.isnan().any()
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(o, o_ref, **tol)
-    torch.testing.assert_close(log, log_ref, rtol=1e-5, atol=1e-6)
+    for route in (gdn_verify, gdn_verify_unfused):  # the fused kernel; torch gates and gathers + its recurrence
+        o, log = run_verify_kernel(p, parents, route=route)
+        assert torch.equal(p["pool"], before)
+        assert not o.isnan().any() and not log.isnan().any()
+        torch.testing.assert_close(o, o_ref, **tol)
+        torch.testing.assert_close(log, log_ref, rtol=1e-5, atol=1e-6)
 
 
 @interpreted

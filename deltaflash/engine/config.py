@@ -3,7 +3,7 @@
 DELTAFLASH_API_KEY is the default of `deltaflash serve --api-key`, read with its flags).
 
 Environment variables (README, "Environment"):
-- DELTAFLASH_NO_FUSED_KERNELS=1: run the pure-torch reference kernels (ops/*/naive.py) on CUDA too.
+- DELTAFLASH_NO_FUSED_KERNELS=1: run the unfused reference route (ops/kernels.reference_kernels) on CUDA too.
 - DELTAFLASH_NO_CUDA_GRAPHS=1: run every forward eagerly on CUDA (no graph capture at start).
 - DELTAFLASH_NO_PREFILL_GRAPHS=1: run prefill steps eagerly on CUDA (rounds still replay their graphs).
 - DELTAFLASH_NO_ROUND_GRAPHS=1: greedy rounds replay their three graphs with eager launches between them
@@ -66,7 +66,7 @@ class EngineConfig:
         (the H200 demo sweep of 2026-12-02 measured adaptive behind fixed at C = 4-64: docs/benchmarks.md).
         Trees always use their budget.
     block_size: W, rows a speculating lane verifies; 0 = the drafter's own; resolved to 1 without a drafter.
-    kernels: "triton" (fused kernels) or "reference" (pure torch); "auto" = triton on CUDA unless
+    kernels: "triton" (fused kernels) or "reference" (the unfused route); "auto" = triton on CUDA unless
         DELTAFLASH_NO_FUSED_KERNELS=1, reference on CPU.
     cuda_graphs: replay rounds from CUDA graphs captured at start; None = on CUDA unless
         DELTAFLASH_NO_CUDA_GRAPHS=1.

@@ -3,7 +3,9 @@
 - `triton`: the fused Triton kernels (verify route, replay / conv commit, prefill conv, norms, SwiGLU
   activation, RoPE, MoE experts, paged attention). CUDA;
   on CPU they run only under TRITON_INTERPRET=1, in their tests.
-- `reference`: the unfused pure-torch route (ops/*/naive.py), op by op.
+- `reference`: the unfused route (ops/*/naive.py), op by op in torch - except, on a GPU, the GDN
+  recurrence (verify and replay commit): a kernel sharing the fused kernel's row arithmetic, so the
+  two routes stay bit-identical there (ops/gdn/README.md); on CPU it is pure torch too.
 
 Which set an engine runs is decided once, in EngineConfig (DELTAFLASH_NO_FUSED_KERNELS=1 selects the
 reference set on CUDA), and passed to every forward; no layer reads the environment. Signatures: the
@@ -62,13 +64,33 @@ def plan_lanes(plan: CommitPlan) -> list[tuple[int, int, int, tuple[int, ...]]]:
 
 
 def _commit_state_ref(state, log, history, windows, plan: CommitPlan) -> None:
-    """The reference commit: the replay, then the conv history, of every lane the plan commits."""
+    """The reference commit: the replay, then the conv history, of every lane the plan commits. On a
+    GPU the replay is the fused commit's own update (ops/gdn/commit.py), as verify's recurrence is."""
     from deltaflash.ops.conv.naive import conv_lanes_ref
     from deltaflash.ops.gdn.naive import replay_lanes_ref
 
     lanes = plan_lanes(plan)
-    replay_lanes_ref(state, log, lanes)
+    if state.is_cuda:
+        from deltaflash.ops.gdn.commit import state_commit_fwd
+
+        state_commit_fwd(state, log, None, None, plan.slot_ids.contiguous(), plan.accepted_nodes,
+                         plan.accepted_len.contiguous())
+    else:
+        replay_lanes_ref(state, log, lanes)
     conv_lanes_ref(history, windows, lanes)
+
+
+def _gdn_verify_unfused(*args, out=None, replay_log_out=None, chains=False):
+    """The reference set's GDN verify: the pure-torch reference on CPU; on a GPU, torch for the gathers
+    and gates and the verify kernel's recurrence (ops/gdn/verify.gdn_verify_unfused)."""
+    if args[0].is_cuda:
+        from deltaflash.ops.gdn.verify import gdn_verify_unfused
+
+        return gdn_verify_unfused(*args, out=out, replay_log_out=replay_log_out, chains=chains)
+    from deltaflash.ops.gdn.naive import gdn_verify_ref
+
+    return _writing_into(gdn_verify_ref, "out", "replay_log_out")(*args, out=out, replay_log_out=replay_log_out,
+                                                                   chains=chains)
 
 
 def _writing_into(fn: Callable, *out_names: str) -> Callable:
@@ -90,7 +112,6 @@ def reference_kernels() -> Kernels:
     from deltaflash.ops.attention.naive import move_tree_rows_ref, paged_attention_ref
     from deltaflash.ops.conv.extend import conv_extend_heads_ref
     from deltaflash.ops.conv.naive import conv_tree_step_ref
-    from deltaflash.ops.gdn.naive import gdn_verify_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
     from deltaflash.ops.norm.naive import (
         add_rms_norm_ref,
@@ -110,7 +131,7 @@ def reference_kernels() -> Kernels:
         add_rms_norm=add_rms_norm_ref,
         conv_extend_heads=conv_extend_heads_ref,
         conv_tree_step=_writing_into(conv_tree_step_ref, "out", "window_out"),
-        gdn_verify=_writing_into(gdn_verify_ref, "out", "replay_log_out"),
+        gdn_verify=_gdn_verify_unfused,
         commit_state=_commit_state_ref,
         moe_experts=moe_experts_ref,
         silu_mul=silu_mul_ref,

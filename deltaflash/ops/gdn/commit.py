@@ -13,6 +13,7 @@ import triton.language as tl
 from deltaflash.errors import CommitRejectedError
 from deltaflash.ops.conv.naive import check_conv_commit_shapes
 from deltaflash.ops.gdn.naive import check_commit_lanes, check_replay_commit_shapes
+from deltaflash.ops.gdn.verify import decay_update
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def _replay_program(
     W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """(layer, lane) i_gl, value head i_h, dv tile i_v: S = gamma S + k delta^T for the lane's accepted
-    rows in token order, exactly the verify kernel's update (fp fusion off at the launch)."""
+    rows in token order, with the verify kernel's own update (verify.decay_update)."""
     i_g, i_l = (i_gl // L).to(tl.int64), (i_gl % L).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -46,8 +47,7 @@ def _replay_program(
                 b_gamma = tl.load(p_log)
                 b_k = tl.load(p_log + 1 + o_k, mask=m_k, other=0.0)
                 b_delta = tl.load(p_log + 1 + K + o_v, mask=m_v, other=0.0)
-                b_S = b_S * b_gamma
-                b_S = b_S + b_k[:, None] * b_delta[None, :]
+                b_S = decay_update(b_S, b_gamma, b_k, b_delta)
         tl.store(p_S, b_S, mask=m_S)
 
 

@@ -22,25 +22,10 @@ def gdn_gates_ref(a, b, A_log, dt_bias):
     return g, torch.sigmoid(b.float())
 
 
-def halving_sum(x, dim: int):
-    """Sum over `dim` in the fixed order the kernels use: zero-pad to a power of two n, then add the
-    halves elementwise (element i and i + n/2), n/2, ..., 1. Elementwise adds make the order, and so
-    the bits, the same on every device (torch's .sum and Triton's tl.sum each use their own order)."""
-    n = x.shape[dim]
-    p2 = 1 << max(n - 1, 0).bit_length()
-    if p2 != n:
-        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, p2 - n]
-        x = F.pad(x, pad)
-    while p2 > 1:
-        p2 //= 2
-        x = x.narrow(dim, 0, p2) + x.narrow(dim, p2, p2)
-    return x.squeeze(dim)
-
-
 def l2_normalize_ref(x):
-    """fp32 `x * rsqrt(sum(x^2) + 1e-6)` over the last dim (sum as halving_sum)."""
+    """fp32 `x * rsqrt(sum(x^2) + 1e-6)` over the last dim."""
     x = x.float()
-    return x * torch.rsqrt(halving_sum(x * x, -1)[..., None] + L2_EPS)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
 def gather_slots_ref(pool_view, state_slot_ids):
@@ -59,11 +44,14 @@ def gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
     state_slot_ids: [L] (-1: padding lane, starts from zeros); parents: [L, W] (parents[:, 0] = -1,
     parents[l, n] < n; -1 means "starts from the slot state").
     Returns o [L, W, nv, dv] in q's dtype and replay_log [L, W, nv, 1 + dk + dv] fp32 =
-    [gamma, k (normalised, as fed to the recurrence), delta].
+    [gamma, k (fp32, not normalised), d = delta / |k|]: k d^T is the rank-1 update k_n delta^T, and the
+    normalisation stays off the dk-sized vectors (|k| = sqrt(sum k^2 + 1e-6), k_n = k / |k|).
 
     Row n's delta is taken against its parent's state, the decayed form of the recurrence:
-    decayed = gamma * S_parent; delta = beta * (v - decayed^T k); S_n = decayed + k delta^T; o = S_n^T q,
-    every sum over dk a halving_sum (bit-identical to the kernel on a GPU). Keeps every node's state ([L, W, nv, dk, dv] fp32), so memory grows with W.
+    decayed = gamma * S_parent; delta = beta * (v - decayed^T k_n); S_n = decayed + k d^T; o = S_n^T q_n
+    (the kernels rearrange this and round differently: they match it to fp32 tolerance, README.md; the
+    state update is the commit's, so a committed state is this function's state bit for bit).
+    Keeps every node's state ([L, W, nv, dk, dv] fp32), so memory grows with W.
     chains: the caller knows every lane's parents are n - 1 (each row continues from the previous
     row's state without looking parents up; same results).
     """
@@ -74,7 +62,9 @@ def gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
     gamma = g.exp()
     rep = nv // nk
     q_n = (l2_normalize_ref(q) * dk ** -0.5).repeat_interleave(rep, dim=2)  # [L, W, nv, dk]
-    k_n = l2_normalize_ref(k).repeat_interleave(rep, dim=2)
+    k_f = k.float().repeat_interleave(rep, dim=2)
+    r_k = torch.rsqrt((k_f * k_f).sum(-1) + L2_EPS)  # 1 / |k|: [L, W, nv]
+    k_n = k_f * r_k[..., None]
     v_f = v.float()
 
     root = gather_slots_ref(recurrent_state, state_slot_ids).float()  # [L, nv, dk, dv]
@@ -91,12 +81,12 @@ def gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
             from_parent = states[lanes, p.clamp(min=0)]
             s_parent = torch.where((p >= 0).view(L, 1, 1, 1), from_parent, root)
         decayed = gamma[:, n, :, None, None] * s_parent
-        d = beta[:, n, :, None] * (v_f[:, n] - halving_sum(decayed * k_n[:, n, :, :, None], -2))
-        s = decayed + k_n[:, n, :, :, None] * d[:, :, None, :]
+        d = r_k[:, n, :, None] * (beta[:, n, :, None] * (v_f[:, n] - (decayed * k_n[:, n, :, :, None]).sum(-2)))
+        s = decayed + k_f[:, n, :, :, None] * d[:, :, None, :]
         states[:, n] = s
         delta[:, n] = d
-    o = halving_sum(states * q_n[..., None], -2)  # every row's S_n^T q at once: same elementwise adds
-    replay_log = torch.cat([gamma[..., None], k_n, delta], dim=-1)
+    o = (states * q_n[..., None]).sum(-2)  # every row's S_n^T q at once
+    replay_log = torch.cat([gamma[..., None], k_f, delta], dim=-1)
     return o.to(q.dtype), replay_log
 
 
@@ -195,8 +185,8 @@ def replay_commit_ref(recurrent_state, replay_log, state_slot_ids, accepted_node
 
     recurrent_state: the whole pool [S, G, nv, dk, dv] fp32; replay_log [G, L, W, nv, 1+dk+dv] fp32
     (gdn_verify's logs stacked over layers); accepted_nodes [L, W]; accepted_len [L] in 0..W.
-    For t < accepted_len: S = gamma_t * S + k_t delta_t^T, the verify recurrence's own update, so the
-    result is bit-identical to the verify state of the last accepted node. Validates first
+    For t < accepted_len: S = gamma_t * S + k_t delta_t^T, the verify recurrence's update (the kernels'
+    commit is bit-identical to their verify's state; this reference, to tolerance). Validates first
     (CommitRejectedError, nothing changed).
     """
     W = check_replay_commit_shapes(recurrent_state, replay_log, state_slot_ids)

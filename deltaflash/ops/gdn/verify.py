@@ -11,9 +11,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from deltaflash.ops.gdn.naive import check_verify_shapes
+from deltaflash.ops.gdn.naive import check_verify_shapes, gather_slots_ref, gdn_gates_ref
 
 MAX_WIDTH = 64  # rows per lane; BW = next power of two is held in registers
+# FMA contraction of the whole verify kernel (the recurrence's own FMAs are explicit either way): on, the
+# dk sums contract their products too, but the gates' libdevice code may then round differently from
+# torch's (bench/tune_verify.py --fp-fusion checks gamma against torch and times both).
+FP_FUSION = False
 
 if triton.knobs.runtime.interpret:
     # The interpreter has no libdevice; numpy's functions stand in (CPU tests only).
@@ -44,27 +48,6 @@ else:
 
 
 @triton.jit
-def bit_index(LOG_N: tl.constexpr):
-    """A [2] * LOG_N int32 tensor holding its own row-major flat index: element (b_1, .., b_LOG_N) is
-    sum_j b_j 2^(LOG_N - j). A dk vector (or a [dk, BV] tile) loaded at these offsets keeps dk as
-    LOG_N size-2 axes, so halving_sum needs no reshape (a reshape may move data between threads)."""
-    idx = tl.arange(0, 2)
-    for _ in tl.static_range(LOG_N - 1):
-        idx = tl.expand_dims(idx, len(idx.shape)) * 2 + tl.arange(0, 2)
-    return idx
-
-
-@triton.jit
-def halving_sum(x, LOG_N: tl.constexpr):
-    """Sum the LOG_N leading size-2 axes of x ([2] * LOG_N + rest; a bit_index layout) in
-    naive.halving_sum's order: axis 0 adds element i and i + n/2 (a sum of two is one add, exact in
-    any order), the next axis halves again, and so on."""
-    for _ in tl.static_range(LOG_N):
-        x = tl.sum(x, axis=0)
-    return x
-
-
-@triton.jit
 def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
               stride_q_l, stride_q_w, stride_q_h, stride_q_d,
               stride_k_l, stride_k_w, stride_k_h, stride_k_d,
@@ -72,9 +55,9 @@ def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
               stride_a_l, stride_a_w, stride_a_h,
               stride_b_l, stride_b_w, stride_b_h,
               W: tl.constexpr):
-    """Row n's raw inputs, as loaded: q, k, v, a, b. Rows n >= W load zeros (the prefetch past the
-    last row). Nothing here uses the loaded values, so the loads are in flight while the previous row
-    updates the state."""
+    """Row n's raw inputs, as loaded: q, k, v, a, b (or gamma, beta when the caller gave the gates).
+    Rows n >= W load zeros (the prefetch past the last row). Nothing here uses the loaded values, so the
+    loads are in flight while the previous row updates the state."""
     live = n < W
     b_a = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0)
     b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0)
@@ -88,17 +71,48 @@ def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
 
 
 @triton.jit
-def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, LOG_BK: tl.constexpr):
-    """Normalised q (scaled) and k, v, gamma and beta of a row from its raw loads (fp32):
-    g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)."""
-    b_x = b_a.to(tl.float32) + b_dt
-    b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
-    b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b.to(tl.float32)))
+def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, GATES_GIVEN: tl.constexpr):
+    """A row's fp32 q, k (not normalised: the norms are scalars, applied to dv-sized vectors in row_step),
+    v, gamma, beta, 1/|k|, scale/|q| and k.q from its raw loads: g = -exp(A_log) * softplus(a + dt_bias),
+    gamma = exp(g), beta = sigmoid(b) - or, GATES_GIVEN, the loads are gamma and beta already (the
+    unfused route computes them op by op, to the same bits). |x| = sqrt(sum x^2 + 1e-6)."""
+    if GATES_GIVEN:
+        b_gamma, b_beta = b_a.to(tl.float32), b_b.to(tl.float32)
+    else:
+        b_x = b_a.to(tl.float32) + b_dt
+        b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
+        b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b.to(tl.float32)))
     b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
-    b_q = b_q * exact_rsqrt(halving_sum(b_q * b_q, LOG_BK) + 1e-6) * scale
-    b_k = b_k * exact_rsqrt(halving_sum(b_k * b_k, LOG_BK) + 1e-6)
-    return b_q, b_k, b_v.to(tl.float32), b_gamma, b_beta
+    b_rq = exact_rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
+    b_rk = exact_rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+    return b_q, b_k, b_v.to(tl.float32), b_gamma, b_beta, b_rk, b_rq, tl.sum(b_k * b_q, 0)
+
+
+@triton.jit
+def decay_update(b_S, b_gamma, b_k, b_delta):
+    """S' = gamma S + k delta^T on a [BK, BV] tile (b_k [BK], b_delta [BV]): one rounding for the decay,
+    one fused multiply-add for the rank-1 update. The verify row and the replay commit both call this,
+    so a committed state is bit-for-bit the verify recurrence's."""
+    return tl.fma(b_k[:, None], b_delta[None, :], b_S * b_gamma)
+
+
+@triton.jit
+def row_step(b_S, b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq):
+    """One row of the recurrence on a [BK, BV] state tile, with k, q not normalised (k_n = rk k,
+    q_n = rq q): both dk sums read the parent state S (S^T k and S^T q, independent), then
+        delta = beta (v - gamma rk S^T k)                 (= beta (v - gamma S^T k_n))
+        d = rk delta                                     (so that k d^T = k_n delta^T)
+        S' = gamma S + k d^T
+        o = rq (gamma S^T q + d k.q)                     (= S'^T q_n)
+    Every per-row vector op is on dv-sized vectors; the [BK, BV] tile sees two products, two sums, the
+    decay and one FMA. Returns (S', o, d). The verify kernel's arithmetic, shared with the unfused route
+    (README.md)."""
+    b_Sk = tl.sum(b_S * b_k[:, None], 0)
+    b_Sq = tl.sum(b_S * b_q[:, None], 0)
+    b_d = b_rk * (b_beta * (b_v - b_gamma * (b_rk * b_Sk)))
+    b_o = b_rq * tl.fma(b_d, b_kq, b_gamma * b_Sq)
+    return decay_update(b_S, b_gamma, b_k, b_d), b_o, b_d
 
 
 @triton.jit
@@ -136,8 +150,8 @@ def gdn_verify_kernel(
     stride_p_l, stride_p_w,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, LOG_BK: tl.constexpr,
-    TREES: tl.constexpr,
+    W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    TREES: tl.constexpr, GATES_GIVEN: tl.constexpr,
 ):
     """One program: dv tile i_v, value head i_h, and a lane's chain (without TREES: every lane is a
     chain, the caller's promise; parents are not read) or one root-to-leaf path of a lane's tree (W
@@ -149,7 +163,7 @@ def gdn_verify_kernel(
     so the loads are in flight during the update."""
     i_v, i_h, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
-    o_k = bit_index(LOG_BK)  # dk as LOG_BK size-2 axes; [dk, BV] tiles are [2] * LOG_BK + [BV]
+    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     E: tl.constexpr = 1 + K + V  # replay log entry: [gamma, k (K), delta (V)]
@@ -163,8 +177,8 @@ def gdn_verify_kernel(
 
     i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
     p_S0 = recurrent_state + i_s * stride_s_s + i_h * stride_s_h
-    m_S0 = tl.expand_dims(m_k, LOG_BK) & m_v & (i_s >= 0) & (count > 0)
-    b_S = tl.load(p_S0 + tl.expand_dims(o_k, LOG_BK) * stride_s_k + o_v * stride_s_v, mask=m_S0, other=0.0)
+    m_S0 = m_k[:, None] & m_v[None, :] & (i_s >= 0) & (count > 0)
+    b_S = tl.load(p_S0 + o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v, mask=m_S0, other=0.0)
     b_neg_A = -exact_exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
     p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
@@ -184,14 +198,9 @@ def gdn_verify_kernel(
             stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
             stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
             stride_b_l, stride_b_w, stride_b_h, W)
-        b_q, b_k, b_v, b_gamma, b_beta = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt, scale, LOG_BK)
-
-        # decayed = gamma * S; delta = beta * (v - decayed^T k); S = decayed + k delta^T; o = S^T q
-        b_ke = tl.expand_dims(b_k, LOG_BK)
-        b_S = b_S * b_gamma
-        b_delta = b_beta * (b_v - halving_sum(b_S * b_ke, LOG_BK))
-        b_S = b_S + b_ke * b_delta
-        b_o = halving_sum(b_S * tl.expand_dims(b_q, LOG_BK), LOG_BK)
+        b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt,
+                                                                       scale, GATES_GIVEN)
+        b_S, b_o, b_delta = row_step(b_S, b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq)
 
         mine = i_n >= owned_from
         tl.store(o + ((i_l * W + i_n) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & mine)
@@ -205,10 +214,10 @@ def gdn_verify_kernel(
 
 
 def verify_tiles(dk: int, dv: int, programs_per_tile: int):
-    """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. Sums over
-    dk are halving trees (naive.halving_sum), so results do not depend on this choice (the tuning
-    script checks it bit for bit). Device time of the chain-only kernel on the H200 at the 9B shape
-    (`bench/tune_verify.py`, 2026-11-29), ms at 1 / 4 / 16 / 64 lanes:
+    """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. The sums over dk
+    follow the tile's layout, so the bits depend on this choice: both routes call it with the same
+    arguments (README.md). Device time on the H200 at the 9B shape of the previous kernel (sums as
+    halving trees, no FMA; `bench/tune_verify.py`, 2026-11-29), ms at 1 / 4 / 16 / 64 lanes:
         BV 8, 1 warp   0.043 / 0.060 / 0.229 / 0.813
         BV 16, 1 warp  0.045 / 0.053 / 0.173 / 0.642
         BV 32, 1 warp  0.069 / 0.069 / 0.141 / 0.549
@@ -224,9 +233,10 @@ def verify_tiles(dk: int, dv: int, programs_per_tile: int):
 
 
 def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
-                   chains: bool = False):
+                   chains: bool = False, gates_given: bool = False):
     """Allocate the outputs (unless given) and launch one program per (dv tile, value head, lane), or per
-    (dv tile, value head, lane, node) for trees (a program per root-to-leaf path; inner nodes' exit)."""
+    (dv tile, value head, lane, node) for trees (a program per root-to-leaf path; inner nodes' exit).
+    gates_given: a, b are gamma, beta (fp32) rather than the raw projections."""
     L, W, nk, dk = q.shape
     nv, dv = v.shape[2:]
     if o is None:
@@ -242,20 +252,15 @@ def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *recurrent_state.stride(),
         *parents.stride(),
         dk ** -0.5,
-        HK=nk, HV=nv, K=dk, V=dv, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W), LOG_BK=BK.bit_length() - 1,
-        TREES=not chains, num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+        HK=nk, HV=nv, K=dk, V=dv, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W),
+        TREES=not chains, GATES_GIVEN=gates_given, num_warps=num_warps, num_stages=1, enable_fp_fusion=FP_FUSION,
+        enable_reflect_ftz=False,
     )
     return o, replay_log
 
 
-def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, *,
-               out=None, replay_log_out=None, chains: bool = False):
-    """Fused gdn_verify_ref (same arguments and results). q, k: [L, W, nk, dk]; v: [L, W, nv, dv];
-    a, b: [L, W, nv] raw (strided views are fine); A_log, dt_bias: [nv]; recurrent_state [S, nv, dk, dv]
-    fp32 (a layer view of the pool, read only); state_slot_ids [L] (-1 padding); parents [L, W].
-    out [L, W, nv, dv] (q's dtype) and replay_log_out [L, W, nv, 1+dk+dv] fp32, contiguous, may be
-    given (e.g. one layer of a stacked log). chains: the caller knows every lane's parents are n - 1
-    (then parents are not read, and a leaner kernel runs). Returns (o, replay_log). No host sync."""
+def check_verify_call(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, out, replay_log_out):
+    """gdn_verify's argument checks (shapes, width, devices, given outputs); no host sync."""
     check_verify_shapes(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents)
     L, W, nk, dk = q.shape
     nv, dv = v.shape[2:]
@@ -271,5 +276,32 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, p
         if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
                               or t.device != q.device):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, *,
+               out=None, replay_log_out=None, chains: bool = False):
+    """Fused gdn_verify_ref (same arguments, results to fp32 tolerance). q, k: [L, W, nk, dk]; v: [L, W,
+    nv, dv]; a, b: [L, W, nv] raw (strided views are fine); A_log, dt_bias: [nv]; recurrent_state
+    [S, nv, dk, dv] fp32 (a layer view of the pool, read only); state_slot_ids [L] (-1 padding);
+    parents [L, W]. out [L, W, nv, dv] (q's dtype) and replay_log_out [L, W, nv, 1+dk+dv] fp32,
+    contiguous, may be given (e.g. one layer of a stacked log). chains: the caller knows every lane's
+    parents are n - 1 (then parents are not read, and a leaner kernel runs). Returns (o, replay_log).
+    No host sync."""
+    check_verify_call(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, out, replay_log_out)
     return gdn_verify_fwd(q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), recurrent_state,
                           state_slot_ids.contiguous(), parents, out, replay_log_out, chains)
+
+
+def gdn_verify_unfused(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, *,
+                       out=None, replay_log_out=None, chains: bool = False):
+    """The unfused route's verify on a GPU (`DELTAFLASH_NO_FUSED_KERNELS=1`): op by op, the slots' states
+    gathered into a copy and the gates computed by torch (naive.gdn_gates_ref), then the recurrence as
+    this module's kernel over the copy - the fused kernel's own row arithmetic, so both routes give the
+    same bits (README.md, bitwise contract). Arguments and results as gdn_verify."""
+    check_verify_call(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, out, replay_log_out)
+    copy = gather_slots_ref(recurrent_state, state_slot_ids)
+    lanes = torch.arange(len(state_slot_ids), device=q.device)
+    copy_ids = torch.where(state_slot_ids >= 0, lanes, -1)
+    g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
+    return gdn_verify_fwd(q, k, v, g.exp(), beta, A_log, dt_bias, copy, copy_ids, parents, out, replay_log_out,
+                          chains, gates_given=True)

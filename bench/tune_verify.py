@@ -34,7 +34,7 @@ def run_with(config, t, conv_out, parents, chains):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lanes", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--configs", nargs="+", default=["8x1", "16x1", "32x1", "16x2", "32x2", "16x4", "32x4"])
+    p.add_argument("--configs", nargs="+", default=["4x1", "8x1", "16x1", "32x1", "16x2", "32x2", "16x4", "32x4"])
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--fp-fusion", action="store_true")
     args = p.parse_args()

@@ -6,8 +6,11 @@ Usage: python bench/verify_registers.py [8x1 16x1 32x1 16x4 ...] [--fp-fusion]  
 Compiles `gdn_verify_kernel` at the 9B shape (dk = dv 128, nk 16, nv 32, W 16) through Triton's sm_90
 target, runs ptxas -v on the PTX and counts the SASS instructions (nvdisasm) of the row loop - the
 largest backward branch - by opcode: a static measure of the work per row and thread, not a timing.
+VERIFY_PY=path compiles another verify.py's kernel (its constexprs must be this one's, or LOG_BK / GATES_GIVEN).
 """
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +23,16 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from deltaflash.ops.gdn.verify import gdn_verify_kernel
+
+def load_kernel(path: str):
+    """gdn_verify_kernel from a verify.py (VERIFY_PY: e.g. an older one, `git show REV:deltaflash/ops/gdn/verify.py`)."""
+    spec = importlib.util.spec_from_file_location("verify_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gdn_verify_kernel
+
+
+gdn_verify_kernel = load_kernel(os.environ.get("VERIFY_PY", str(Path(__file__).parents[1] / "deltaflash/ops/gdn/verify.py")))
 
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", a="*bf16", b="*bf16", A_log="*fp32", dt_bias="*fp32",
                 recurrent_state="*fp32", state_slot_ids="*i64", parents="*i64", o="*bf16", replay_log="*fp32")
@@ -29,8 +41,10 @@ SHOWN = ("FFMA", "FMUL", "FADD", "SHFL", "LDG", "STG", "LDS", "STS", "BAR", "LDL
 
 
 def compile_verify(bv: int, num_warps: int, fp_fusion: bool):
-    consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=bv, BW=16, TREES=False, GATES_GIVEN=False,
+    consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=bv, BW=16, TREES=False,
                   **{name: 1 for name in UNIT_STRIDES})
+    consts.update({name: value for name, value in (("GATES_GIVEN", False), ("LOG_BK", 7))
+                   if name in gdn_verify_kernel.arg_names})
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name == "scale" else "i32")
                  for name in gdn_verify_kernel.arg_names}
     return triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),

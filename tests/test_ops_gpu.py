@@ -83,6 +83,7 @@ def test_gdn_verify_kernel_matches_ref_and_never_writes_state(ops, L, W, nk, nv,
     torch.testing.assert_close(log, log_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(log[..., 0], log_ref[..., 0]), "gamma differs from torch's exp / softplus"
+    assert torch.equal(log[..., 1:1 + dk], log_ref[..., 1:1 + dk]), "k in the log is not k as given"
     o_un, log_un = run_verify(ops, p, parents, "gdn_verify_unfused")
     assert torch.equal(log, log_un), "replay log differs from the unfused route"
     assert torch.equal(o, o_un), "o differs from the unfused route"

@@ -149,10 +149,10 @@ def test_the_warm_requests_run_every_width_in_use(pair, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "execute", recording)
     policy = engine.scheduler.policy
-    monkeypatch.setattr(policy, "_choose", lambda seqs, caps: (8, [min(8, c) for c in caps]))
+    monkeypatch.setattr(policy, "choose", lambda seqs, caps: (8, [min(8, c) for c in caps]))
     engine._warm_requests()
     assert widths == set(engine.config.widths)
-    assert engine.scheduler.policy.pinned is None and not engine.has_work()
+    assert engine.scheduler.pin.width is None and not engine.has_work()
 
 
 # ---- trees or chains ------------------------------------------------------------------------------

@@ -474,7 +474,7 @@ def test_the_warm_requests_run_trees_and_chains(pairs, monkeypatch):
         assert {budget for budget, _ in kinds} == want
         if 0 in want:  # chains with the seeded sampled lane in them too
             assert (0, True) in kinds
-        assert engine.scheduler.pinned_trees is None and not engine.has_work()
+        assert engine.scheduler.pin.trees is None and not engine.has_work()
 
 
 def test_a_seeded_sampled_request_verifies_trees_at_any_load(pairs):

@@ -96,6 +96,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def seeded_sampling(self) -> bool:
+        """Sampled with a seed: its draws must not depend on the load, so every round it takes part in has
+        the same shape whatever else runs (the block's widths; trees in a tree engine)."""
+        return self.seed is not None and not self.greedy
+
 
 class Status(enum.Enum):
     WAITING = "waiting"      # queued, no slot yet

@@ -119,18 +119,11 @@ class Engine:
             pins = [(None, True), (None, False)]
         else:
             pins = [(None, None)]
-        try:
-            for width, trees in pins:
-                if policy is not None:
-                    policy.pinned = width
-                scheduler.pinned_trees = trees
+        for width, trees in pins:
+            with scheduler.pinned(width, trees):
                 for lengths in ((16,), (1, 3, 29)):
                     prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
                     self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
-        finally:
-            if policy is not None:
-                policy.pinned = None
-            scheduler.pinned_trees = None
 
     @property
     def pool(self):

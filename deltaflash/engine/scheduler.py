@@ -16,6 +16,8 @@ resulting `StepPlan`; the engine applies the results.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from deltaflash.cache.pages import PageAllocator, pages_for
@@ -23,6 +25,15 @@ from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.speculative.policy import TreeChoice, WidthPolicy
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What Scheduler.pinned fixes for every round: a width (adaptive engines), trees or chains (tree
+    engines); None: not fixed."""
+
+    width: int | None = None
+    trees: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ class Scheduler:
         tree_choice: a tree engine's choice of trees or chains per round (config.costed_trees); None: the
         fixed rule (config.trees_for)."""
         self.config, self.policy, self.tree_choice = config, policy, tree_choice
-        self.pinned_trees: bool | None = None  # a tree engine's rounds all trees / all chains (the warm-up's)
+        self.pin = Pin()  # nothing pinned: the policy and the tree choice decide (see pinned)
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
         # pages kept free when admitting beside running sequences, so their next rounds rarely preempt
@@ -149,6 +160,9 @@ class Scheduler:
         if self.config.block_size <= 1:  # no drafter: every lane decodes one row
             return [1] * len(decode), 1, 0
         caps = [self.width(s) for s in decode]
+        if self.pin.width is not None:
+            lanes = [min(self.pin.width, cap) for cap in caps]
+            return lanes, (self.pin.width if any(w > 1 for w in lanes) else 1), 0
         if self.policy is not None and decode:  # (adaptive engines verify chains: config.adaptive excludes trees)
             round_width, lanes = self.policy.choose(decode, caps)
             return lanes, round_width, 0
@@ -163,13 +177,24 @@ class Scheduler:
         request (its output must not depend on the load), else the tree choice or the fixed rule."""
         if not self.config.tree_budget:
             return False
-        if self.pinned_trees is not None:
-            return self.pinned_trees
-        if any(s.params.seed is not None and not s.params.greedy for s in decode):
+        if self.pin.trees is not None:
+            return self.pin.trees
+        if any(s.params.seeded_sampling for s in decode):
             return True
         if self.tree_choice is not None:
             return self.tree_choice.choose(len(decode))
         return self.config.trees_for(len(decode))
+
+    @contextmanager
+    def pinned(self, width: int | None = None, trees: bool | None = None) -> Iterator[None]:
+        """Within: every round at `width` with every lane at its most (an adaptive engine's widths), or
+        every speculative round trees / chains (`trees`), whatever the policy or the tree choice would
+        pick - the warm-up runs each graph it captures this way."""
+        self.pin = Pin(width, trees)
+        try:
+            yield
+        finally:
+            self.pin = Pin()
 
     def reach(self, round_width: int) -> int:
         """Positions past its committed length that a round of `round_width` rows writes for every lane

@@ -125,7 +125,6 @@ class WidthPolicy:
     probe_every: int = 16
     tries: list[float] = field(default_factory=list)  # engine-wide decayed counts per draft position
     hits: list[float] = field(default_factory=list)
-    pinned: int | None = None  # every round at this width, every lane at its most (the engine's warm-up)
 
     def bucket(self, lanes: int) -> int:
         return next((b for b in self.buckets if b >= lanes), lanes)
@@ -147,14 +146,8 @@ class WidthPolicy:
 
     def choose(self, seqs: Seqs[Sequence], caps: Seqs[int]) -> tuple[int, list[int]]:
         """(round width, per-lane widths) for lanes `seqs` that may emit at most caps[l] tokens."""
-        if self.pinned is not None:
-            lanes = [min(self.pinned, cap) for cap in caps]
-            return (self.pinned if any(w > 1 for w in lanes) else 1), lanes
-        return self._choose(seqs, caps)
-
-    def _choose(self, seqs: Seqs[Sequence], caps: Seqs[int]) -> tuple[int, list[int]]:
         priors = self.priors()
-        seeded = [seq.params.seed is not None and not seq.params.greedy for seq in seqs]
+        seeded = [seq.params.seeded_sampling for seq in seqs]
         if any(cap > 1 and s for cap, s in zip(caps, seeded)):  # the block, every lane at its most unless stopped
             lanes = [cap if cap > 1 and (s or self._drafts(seq, priors)) else 1 for seq, cap, s in zip(seqs, caps, seeded)]
             return self.widths[-1], lanes

@@ -1,0 +1,275 @@
+"""Mapped GDN verify: read each lane's recurrent state through its slot id, run the recurrence over the
+lane's rows following `parents`, write only the output and the replay log (never the state).
+
+Reference: naive.gdn_verify_ref. Math, tree handling and the bitwise contract: README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from deltaflash.ops.gdn.naive import check_verify_shapes
+
+MAX_WIDTH = 64  # rows per lane; BW = next power of two is held in registers
+
+if triton.knobs.runtime.interpret:
+    # The interpreter has no libdevice; numpy's functions stand in (CPU tests only).
+    @triton.jit
+    def exact_exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def exact_log1p(x):
+        return tl.log(1.0 + x)
+
+    @triton.jit
+    def exact_rsqrt(x):
+        return tl.math.rsqrt(x)
+else:
+    # libdevice __nv_expf / __nv_log1pf / __nv_rsqrtf: what torch's CUDA kernels call (tl.exp is ex2.approx).
+    @triton.jit
+    def exact_exp(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def exact_log1p(x):
+        return libdevice.log1p(x)
+
+    @triton.jit
+    def exact_rsqrt(x):
+        return libdevice.rsqrt(x)
+
+
+@triton.jit
+def bit_index(LOG_N: tl.constexpr):
+    """A [2] * LOG_N int32 tensor holding its own row-major flat index: element (b_1, .., b_LOG_N) is
+    sum_j b_j 2^(LOG_N - j). A dk vector (or a [dk, BV] tile) loaded at these offsets keeps dk as
+    LOG_N size-2 axes, so halving_sum needs no reshape (a reshape may move data between threads)."""
+    idx = tl.arange(0, 2)
+    for _ in tl.static_range(LOG_N - 1):
+        idx = tl.expand_dims(idx, len(idx.shape)) * 2 + tl.arange(0, 2)
+    return idx
+
+
+@triton.jit
+def halving_sum(x, LOG_N: tl.constexpr):
+    """Sum the LOG_N leading size-2 axes of x ([2] * LOG_N + rest; a bit_index layout) in
+    naive.halving_sum's order: axis 0 adds element i and i + n/2 (a sum of two is one add, exact in
+    any order), the next axis halves again, and so on."""
+    for _ in tl.static_range(LOG_N):
+        x = tl.sum(x, axis=0)
+    return x
+
+
+@triton.jit
+def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
+              stride_q_l, stride_q_w, stride_q_h, stride_q_d,
+              stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+              stride_v_l, stride_v_w, stride_v_h, stride_v_d,
+              stride_a_l, stride_a_w, stride_a_h,
+              stride_b_l, stride_b_w, stride_b_h,
+              W: tl.constexpr):
+    """Row n's raw inputs, as loaded: q, k, v, a, b. Rows n >= W load zeros (the prefetch past the
+    last row). Nothing here uses the loaded values, so the loads are in flight while the previous row
+    updates the state."""
+    live = n < W
+    b_a = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0)
+    b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0)
+    b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
+                  mask=m_k & live, other=0.0)
+    b_k = tl.load(k + i_l * stride_k_l + n * stride_k_w + i_hk * stride_k_h + o_k * stride_k_d,
+                  mask=m_k & live, other=0.0)
+    b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
+                  mask=m_v & live, other=0.0)
+    return b_q, b_k, b_v, b_a, b_b
+
+
+@triton.jit
+def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, LOG_BK: tl.constexpr):
+    """Normalised q (scaled) and k, v, gamma and beta of a row from its raw loads (fp32):
+    g = -exp(A_log) * softplus(a + dt_bias), gamma = exp(g), beta = sigmoid(b)."""
+    b_x = b_a.to(tl.float32) + b_dt
+    b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
+    b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b.to(tl.float32)))
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
+    b_q = b_q * exact_rsqrt(halving_sum(b_q * b_q, LOG_BK) + 1e-6) * scale
+    b_k = b_k * exact_rsqrt(halving_sum(b_k * b_k, LOG_BK) + 1e-6)
+    return b_q, b_k, b_v.to(tl.float32), b_gamma, b_beta
+
+
+@triton.jit
+def leaf_path(parents, i_l, i_leaf, o_w, stride_p_l, stride_p_w, W: tl.constexpr):
+    """The root path of node i_leaf of lane i_l's tree, as this leaf's program walks it: (on [BW], 1 at
+    the path's nodes; the path's first node; its node count, 0 when i_leaf has a child, so only leaves
+    run; the first node this program writes). Every node is written by one program, the leaf reached
+    from it by first children (its lowest-numbered child): on this path those are the nodes from the
+    last one that is not its parent's first child (the root when there is none)."""
+    b_par = tl.load(parents + i_l * stride_p_l + o_w * stride_p_w, mask=o_w < W, other=-2).to(tl.int32)
+    is_leaf = tl.sum((b_par == i_leaf).to(tl.int32)) == 0
+    b_on = tl.zeros(o_w.shape, dtype=tl.int32)
+    i_c = tl.where(is_leaf, i_leaf, -1)  # an inner node's program walks nothing
+    owned_from = -1
+    while i_c >= 0:
+        b_on = tl.where(o_w == i_c, 1, b_on)
+        i_p = tl.sum(tl.where(o_w == i_c, b_par, 0))
+        younger = tl.sum(((b_par == i_p) & (o_w < i_c)).to(tl.int32)) > 0  # an elder sibling: not first
+        owned_from = tl.where(younger & (owned_from < 0), i_c, owned_from)
+        i_c = i_p
+    count = tl.sum(b_on)
+    first = tl.min(tl.where(b_on > 0, o_w, W))
+    return b_on, first, count, tl.where(owned_from < 0, 0, owned_from)
+
+
+@triton.jit
+def gdn_verify_kernel(
+    q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
+    stride_q_l, stride_q_w, stride_q_h, stride_q_d,
+    stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+    stride_v_l, stride_v_w, stride_v_h, stride_v_d,
+    stride_a_l, stride_a_w, stride_a_h,
+    stride_b_l, stride_b_w, stride_b_h,
+    stride_s_s, stride_s_h, stride_s_k, stride_s_v,
+    stride_p_l, stride_p_w,
+    scale,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, LOG_BK: tl.constexpr,
+    TREES: tl.constexpr,
+):
+    """One program: dv tile i_v, value head i_h, and a lane's chain (without TREES: every lane is a
+    chain, the caller's promise; parents are not read) or one root-to-leaf path of a lane's tree (W
+    programs per lane, one per node; those of inner nodes run no row). The [BK, BV] state tile lives in
+    registers and each row continues from the previous row's: a path program recomputes the nodes it
+    shares with other paths (the same update from the same slot state, so the same bits) and writes
+    only those it owns (leaf_path), so a tree costs its depth in rows, not its node count.
+    Row n + 1's raw inputs are loaded before row n updates the state and prepared (norms, gates) after,
+    so the loads are in flight during the update."""
+    i_v, i_h, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // HK)
+    o_k = bit_index(LOG_BK)  # dk as LOG_BK size-2 axes; [dk, BV] tiles are [2] * LOG_BK + [BV]
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    E: tl.constexpr = 1 + K + V  # replay log entry: [gamma, k (K), delta (V)]
+    if TREES:
+        i_l = (i_g // W).to(tl.int64)
+        o_w = tl.arange(0, BW)
+        b_on, i_n, count, owned_from = leaf_path(parents, i_l, i_g % W, o_w, stride_p_l, stride_p_w, W)
+    else:
+        i_l = i_g.to(tl.int64)
+        i_n, count, owned_from = 0, W, 0
+
+    i_s = tl.load(state_slot_ids + i_l).to(tl.int64)
+    p_S0 = recurrent_state + i_s * stride_s_s + i_h * stride_s_h
+    m_S0 = tl.expand_dims(m_k, LOG_BK) & m_v & (i_s >= 0) & (count > 0)
+    b_S = tl.load(p_S0 + tl.expand_dims(o_k, LOG_BK) * stride_s_k + o_v * stride_s_v, mask=m_S0, other=0.0)
+    b_neg_A = -exact_exp(tl.load(A_log + i_h).to(tl.float32))
+    b_dt = tl.load(dt_bias + i_h).to(tl.float32)
+    p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
+
+    r_q, r_k, r_v, r_a, r_b = row_loads(
+        q, k, v, a, b, i_l, i_h, i_hk, i_n, o_k, o_v, m_k, m_v,
+        stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+        stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
+        stride_b_l, stride_b_w, stride_b_h, W)
+    for _ in range(0, count):
+        if TREES:  # the path's next node (W past its end)
+            i_next = tl.min(tl.where((b_on > 0) & (o_w > i_n), o_w, W))
+        else:
+            i_next = i_n + 1
+        n_q, n_k, n_v, n_a, n_b = row_loads(
+            q, k, v, a, b, i_l, i_h, i_hk, i_next, o_k, o_v, m_k, m_v,
+            stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
+            stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
+            stride_b_l, stride_b_w, stride_b_h, W)
+        b_q, b_k, b_v, b_gamma, b_beta = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt, scale, LOG_BK)
+
+        # decayed = gamma * S; delta = beta * (v - decayed^T k); S = decayed + k delta^T; o = S^T q
+        b_ke = tl.expand_dims(b_k, LOG_BK)
+        b_S = b_S * b_gamma
+        b_delta = b_beta * (b_v - halving_sum(b_S * b_ke, LOG_BK))
+        b_S = b_S + b_ke * b_delta
+        b_o = halving_sum(b_S * tl.expand_dims(b_q, LOG_BK), LOG_BK)
+
+        mine = i_n >= owned_from
+        tl.store(o + ((i_l * W + i_n) * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & mine)
+        p_n = p_log_lane + i_n * HV * E
+        if (i_v == 0) & mine:
+            tl.store(p_n, b_gamma)
+            tl.store(p_n + 1 + o_k, b_k, mask=m_k)
+        tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v & mine)
+        i_n = i_next
+        r_q, r_k, r_v, r_a, r_b = n_q, n_k, n_v, n_a, n_b
+
+
+def verify_tiles(dk: int, dv: int, programs_per_tile: int):
+    """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. Sums over
+    dk are halving trees (naive.halving_sum), so results do not depend on this choice (the tuning
+    script checks it bit for bit). Device time of the chain-only kernel on the H200 at the 9B shape
+    (`bench/tune_verify.py`, 2026-11-29), ms at 1 / 4 / 16 / 64 lanes:
+        BV 8, 1 warp   0.043 / 0.060 / 0.229 / 0.813
+        BV 16, 1 warp  0.045 / 0.053 / 0.173 / 0.642
+        BV 32, 1 warp  0.069 / 0.069 / 0.141 / 0.549
+        BV 16, 4 warps 0.031 / 0.101 / 0.387 / 1.490
+    With the SMs full, one warp keeps every dk sum inside the warp, and wider tiles share each row's
+    loads, norms and gates over more columns. With too few programs to fill them (one lane), 4 warps
+    per program shorten each program's row chain."""
+    if programs_per_tile < 64:
+        BV, num_warps = 16, 4
+    else:
+        BV, num_warps = (32 if programs_per_tile >= 512 else 16 if programs_per_tile >= 128 else 8), 1
+    return triton.next_power_of_2(dk), min(BV, triton.next_power_of_2(dv)), num_warps
+
+
+def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
+                   chains: bool = False):
+    """Allocate the outputs (unless given) and launch one program per (dv tile, value head, lane), or per
+    (dv tile, value head, lane, node) for trees (a program per root-to-leaf path; inner nodes' exit)."""
+    L, W, nk, dk = q.shape
+    nv, dv = v.shape[2:]
+    if o is None:
+        o = torch.empty(L, W, nv, dv, dtype=q.dtype, device=q.device)
+    if replay_log is None:
+        replay_log = torch.empty(L, W, nv, 1 + dk + dv, dtype=torch.float32, device=q.device)
+    if L == 0:
+        return o, replay_log
+    BK, BV, num_warps = verify_tiles(dk, dv, L * nv)
+    grid = (triton.cdiv(dv, BV), nv, L if chains else L * W)
+    gdn_verify_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,
+        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *recurrent_state.stride(),
+        *parents.stride(),
+        dk ** -0.5,
+        HK=nk, HV=nv, K=dk, V=dv, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W), LOG_BK=BK.bit_length() - 1,
+        TREES=not chains, num_warps=num_warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return o, replay_log
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, *,
+               out=None, replay_log_out=None, chains: bool = False):
+    """Fused gdn_verify_ref (same arguments and results). q, k: [L, W, nk, dk]; v: [L, W, nv, dv];
+    a, b: [L, W, nv] raw (strided views are fine); A_log, dt_bias: [nv]; recurrent_state [S, nv, dk, dv]
+    fp32 (a layer view of the pool, read only); state_slot_ids [L] (-1 padding); parents [L, W].
+    out [L, W, nv, dv] (q's dtype) and replay_log_out [L, W, nv, 1+dk+dv] fp32, contiguous, may be
+    given (e.g. one layer of a stacked log). chains: the caller knows every lane's parents are n - 1
+    (then parents are not read, and a leaner kernel runs). Returns (o, replay_log). No host sync."""
+    check_verify_shapes(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents)
+    L, W, nk, dk = q.shape
+    nv, dv = v.shape[2:]
+    if not 1 <= W <= MAX_WIDTH:
+        raise ValueError(f"verify width W={W} must be in [1, {MAX_WIDTH}]")
+    tensors = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, recurrent_state=recurrent_state,
+                   state_slot_ids=state_slot_ids, parents=parents)
+    for name, t in tensors.items():
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    for name, t, shape, dtype in (("out", out, (L, W, nv, dv), q.dtype),
+                                  ("replay_log_out", replay_log_out, (L, W, nv, 1 + dk + dv), torch.float32)):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
+                              or t.device != q.device):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
+    return gdn_verify_fwd(q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), recurrent_state,
+                          state_slot_ids.contiguous(), parents, out, replay_log_out, chains)

@@ -15,8 +15,9 @@ from deltaflash.ops.gdn.naive import check_verify_shapes, gather_slots_ref, gdn_
 
 MAX_WIDTH = 64  # rows per lane; BW = next power of two is held in registers
 # FMA contraction of the whole verify kernel (the recurrence's own FMAs are explicit either way): on, the
-# dk sums contract their products too, but the gates' libdevice code may then round differently from
-# torch's (bench/tune_verify.py --fp-fusion checks gamma against torch and times both).
+# dk sums contract their products too. The gates keep torch's rounding either way (exact_add / exact_mul
+# where contraction reached them; sm_90 SASS of each gate the same with and without it) - on the GPU
+# unverified yet: bench/tune_verify.py --fp-fusion checks gamma against torch and times both.
 FP_FUSION = False
 
 if triton.knobs.runtime.interpret:
@@ -32,6 +33,14 @@ if triton.knobs.runtime.interpret:
     @triton.jit
     def exact_rsqrt(x):
         return tl.math.rsqrt(x)
+
+    @triton.jit
+    def exact_add(x, y):
+        return x + y
+
+    @triton.jit
+    def exact_mul(x, y):
+        return x * y
 else:
     # libdevice __nv_expf / __nv_log1pf / __nv_rsqrtf: what torch's CUDA kernels call (tl.exp is ex2.approx).
     @triton.jit
@@ -45,6 +54,19 @@ else:
     @triton.jit
     def exact_rsqrt(x):
         return libdevice.rsqrt(x)
+
+    # add / multiply rounded on their own even in a kernel compiled with FMA contraction (FP_FUSION): PTX
+    # never contracts an instruction that names its rounding mode. The gates use them where contraction
+    # would merge them with libdevice's last multiply (sigmoid's 1 + exp(-b); -exp(A_log) * softplus).
+    @triton.jit
+    def exact_add(x, y):
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def exact_mul(x, y):
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
@@ -80,8 +102,8 @@ def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, GATES_GIVEN: tl.c
         b_gamma, b_beta = b_a.to(tl.float32), b_b.to(tl.float32)
     else:
         b_x = b_a.to(tl.float32) + b_dt
-        b_gamma = exact_exp(b_neg_A * tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x))))
-        b_beta = tl.math.div_rn(1.0, 1.0 + exact_exp(-b_b.to(tl.float32)))
+        b_gamma = exact_exp(exact_mul(b_neg_A, tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x)))))
+        b_beta = tl.math.div_rn(1.0, exact_add(exact_exp(-b_b.to(tl.float32)), 1.0))
     b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
     b_rq = exact_rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale

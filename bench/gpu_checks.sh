@@ -5,7 +5,7 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune tunefusion kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
+# Steps: tests spec target tune tunebuild kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
@@ -66,7 +66,9 @@ for step in "$@"; do
         invariance) run invariance 150 python3 bench/batch_invariance.py ;;
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
         tune) run tune 120 python3 bench/tune_verify.py ;;
-        tunefusion) run tunefusion 150 python3 bench/tune_verify.py --fp-fusion ;;  # issue 16: FMA contraction on (gamma vs torch: GATES)
+        tunebuild) for flags in --fp-fusion --widen-at-load "--fp-fusion --widen-at-load"; do  # issue 16: verify.BuildOptions
+                       run tunebuild 150 python3 bench/tune_verify.py $flags --configs 8x1 16x1 32x1 16x2 16x4
+                   done ;;  # (gamma vs torch: GATES)
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;

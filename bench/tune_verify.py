@@ -1,13 +1,13 @@
 """Time the mapped GDN verify kernel over (BV, num_warps) tile choices at the 9B layer shape (CUDA).
 
-Usage: python bench/tune_verify.py [--lanes 1 4 16 64] [--configs 8x1 16x1 16x4 ...] [--fp-fusion]
+Usage: python bench/tune_verify.py [--lanes 1 4 16 64] [--configs 8x1 16x1 16x4 ...] [--fp-fusion] [--widen-at-load]
 
 Prints device milliseconds per call (CUDA-graph replay) of the chain-only kernel (what verify rounds
 run) and the ratio to the byte roofline (`bench kernels`' GDN bytes). Checks, per config: the chain-only
 and general kernels agree bit for bit, the torch reference agrees to fp32 tolerance (the dk sums follow
 the tile, so configs differ in the last bits), and "gates" - gamma in the replay log equals torch's
 exp / softplus bit for bit (what the unfused route's bitwise match needs; --fp-fusion may break it).
---fp-fusion: compile the kernel with FMA contraction (verify.FP_FUSION).
+--fp-fusion, --widen-at-load: compile the kernel with those build options (verify.BuildOptions).
 """
 
 import argparse
@@ -37,8 +37,10 @@ def main():
     p.add_argument("--configs", nargs="+", default=["4x1", "8x1", "16x1", "32x1", "16x2", "32x2", "16x4", "32x4"])
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--fp-fusion", action="store_true")
+    p.add_argument("--widen-at-load", action="store_true")
     args = p.parse_args()
-    verify_mod.FP_FUSION = args.fp_fusion
+    verify_mod.BUILD = verify_mod.BuildOptions(fp_fusion=args.fp_fusion, widen_at_load=args.widen_at_load)
+    print(verify_mod.BUILD)
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     bw = copy_bandwidth_gbs("cuda")
     fused = triton_kernels()

@@ -1,7 +1,8 @@
 """Registers, spills and the row loop's instructions of the chain-only GDN verify kernel per tile,
 compiled for sm_90 without a GPU.
 
-Usage: python bench/verify_registers.py [8x1 16x1 32x1 16x4 ...] [--fp-fusion]   (BV x num_warps; CPU is enough)
+Usage: python bench/verify_registers.py [8x1 16x1 32x1 16x4 ...] [--fp-fusion] [--widen-at-load]
+(BV x num_warps; CPU is enough; the flags are verify.BuildOptions)
 
 Compiles `gdn_verify_kernel` at the 9B shape (dk = dv 128, nk 16, nv 32, W 16) through Triton's sm_90
 target, runs ptxas -v on the PTX and counts the SASS instructions (nvdisasm) of the row loop - the
@@ -28,6 +29,7 @@ def load_kernel(path: str):
     """gdn_verify_kernel from a verify.py (VERIFY_PY: e.g. an older one, `git show REV:deltaflash/ops/gdn/verify.py`)."""
     spec = importlib.util.spec_from_file_location("verify_under_test", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
     spec.loader.exec_module(module)
     return module.gdn_verify_kernel
 
@@ -40,10 +42,11 @@ UNIT_STRIDES = ("stride_q_d", "stride_k_d", "stride_v_d", "stride_s_v", "stride_
 SHOWN = ("FFMA", "FMUL", "FADD", "SHFL", "LDG", "STG", "LDS", "STS", "BAR", "LDL", "STL", "PRMT")
 
 
-def compile_verify(bv: int, num_warps: int, fp_fusion: bool):
+def compile_verify(bv: int, num_warps: int, fp_fusion: bool, widen_at_load: bool = False):
     consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=bv, BW=16, TREES=False,
                   **{name: 1 for name in UNIT_STRIDES})
-    consts.update({name: value for name, value in (("GATES_GIVEN", False), ("LOG_BK", 7))
+    consts.update({name: value for name, value in (("GATES_GIVEN", False), ("LOG_BK", 7),
+                                                   ("WIDEN_AT_LOAD", widen_at_load))
                    if name in gdn_verify_kernel.arg_names})
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name == "scale" else "i32")
                  for name in gdn_verify_kernel.arg_names}
@@ -82,11 +85,12 @@ def row_loop_ops(kernel, tmp: Path) -> tuple[int, Counter]:
 
 
 if __name__ == "__main__":
-    fp_fusion = "--fp-fusion" in sys.argv
-    configs = [a for a in sys.argv[1:] if a != "--fp-fusion"] or ["8x1", "16x1", "32x1", "16x4"]
-    print(f"FMA contraction {'on' if fp_fusion else 'off'}; row loop: SASS instructions per row and thread")
+    fp_fusion, widen_at_load = "--fp-fusion" in sys.argv, "--widen-at-load" in sys.argv
+    configs = [a for a in sys.argv[1:] if not a.startswith("--")] or ["8x1", "16x1", "32x1", "16x4"]
+    print(f"FMA contraction {'on' if fp_fusion else 'off'}, q and k widened {'at load' if widen_at_load else 'after broadcast'}; "
+          "row loop: SASS instructions per row and thread")
     for config in configs:
-        kernel = compile_verify(*map(int, config.split("x")), fp_fusion)
+        kernel = compile_verify(*map(int, config.split("x")), fp_fusion, widen_at_load)
         with tempfile.TemporaryDirectory() as tmp:
             regs = ptxas_report(kernel, Path(tmp))
             n, ops = row_loop_ops(kernel, Path(tmp))

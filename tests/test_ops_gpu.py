@@ -100,6 +100,24 @@ def test_gdn_verify_kernel_fp32_matches_ref_and_bitwise_equals_unfused(ops):
     assert torch.equal(o, o_un) and torch.equal(log, log_un)
 
 
+@pytest.mark.parametrize("fp_fusion,widen_at_load", [(True, False), (False, True), (True, True)])
+def test_gdn_verify_build_options_keep_the_contract(ops, monkeypatch, fp_fusion, widen_at_load):
+    """Every verify.BuildOptions the tuning may switch on: the routes still agree bit for bit, gamma is
+    still torch's, and the torch reference is within tolerance (chains and trees)."""
+    import deltaflash.ops.gdn.verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "BUILD", verify_mod.BuildOptions(fp_fusion, widen_at_load))
+    p = make_gdn(4, 16, 2, 4, 128, 128, seed=21)
+    for parents in (chain_parents(4, 16), tree_parents(4, 16, seed=22)):
+        o, log = run_verify(ops, p, parents)
+        o_ref, log_ref = ops.gdn_verify_ref(*verify_args(p, parents))
+        torch.testing.assert_close(log, log_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(log[..., 0], log_ref[..., 0]), "gamma differs from torch's exp / softplus"
+        o_un, log_un = run_verify(ops, p, parents, "gdn_verify_unfused")
+        assert torch.equal(o, o_un) and torch.equal(log, log_un), "the routes differ"
+
+
 def test_gdn_verify_kernel_tree_nodes_bitwise_equal_chain_along_root_path(ops):
     p = make_gdn(2, 12, 2, 4, 128, 128, seed=5)
     parents = tree_parents(2, 12, seed=6)

@@ -6,6 +6,8 @@ Reference: naive.gdn_verify_ref. Math, tree handling and the bitwise contract: R
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -14,11 +16,26 @@ from triton.language.extra import libdevice
 from deltaflash.ops.gdn.naive import check_verify_shapes, gather_slots_ref, gdn_gates_ref
 
 MAX_WIDTH = 64  # rows per lane; BW = next power of two is held in registers
-# FMA contraction of the whole verify kernel (the recurrence's own FMAs are explicit either way): on, the
-# dk sums contract their products too. The gates keep torch's rounding either way (exact_add / exact_mul
-# where contraction reached them; sm_90 SASS of each gate the same with and without it) - on the GPU
-# unverified yet: bench/tune_verify.py --fp-fusion checks gamma against torch and times both.
-FP_FUSION = False
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How the verify kernel is compiled; neither changes what the two routes agree on (both run this
+    kernel), and both wait for GPU timings to be switched on (bench/tune_verify.py --fp-fusion
+    --widen-at-load; static counts: bench/verify_registers.py).
+    fp_fusion: FMA contraction of the whole kernel (the recurrence's own FMAs are explicit either way); the
+        dk sums then fold their products in. The gates keep torch's rounding either way (exact_add /
+        exact_mul where contraction reached them; the gates' sm_90 SASS is the same with and without it).
+    widen_at_load: q and k become fp32 where they are loaded (a few elements a thread) rather than after
+        their broadcast over the state tile (the whole vector in every thread): sm_90 row loop at BV 16,
+        one warp, 878 -> 692 instructions, but 168 -> 234 registers. The value is the same (bf16 -> fp32 is
+        exact)."""
+
+    fp_fusion: bool = False
+    widen_at_load: bool = False
+
+
+BUILD = BuildOptions()
 
 if triton.knobs.runtime.interpret:
     # The interpreter has no libdevice; numpy's functions stand in (CPU tests only).
@@ -39,6 +56,10 @@ if triton.knobs.runtime.interpret:
         return x + y
 
     @triton.jit
+    def widen(x):
+        return x.to(tl.float32)
+
+    @triton.jit
     def exact_mul(x, y):
         return x * y
 else:
@@ -55,7 +76,7 @@ else:
     def exact_rsqrt(x):
         return libdevice.rsqrt(x)
 
-    # add / multiply rounded on their own even in a kernel compiled with FMA contraction (FP_FUSION): PTX
+    # add / multiply rounded on their own even in a kernel compiled with FMA contraction (BUILD): PTX
     # never contracts an instruction that names its rounding mode. The gates use them where contraction
     # would merge them with libdevice's last multiply (sigmoid's 1 + exp(-b); -exp(A_log) * softplus).
     @triton.jit
@@ -68,6 +89,18 @@ else:
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
                                          is_pure=True, pack=1)
 
+    @triton.jit
+    def widen(x):
+        """x as fp32, converted here: an inline conversion is not moved past a layout change, as `.to` is."""
+        if x.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise("cvt.f32.bf16 $0, $1;", "=r,h", [x], dtype=tl.float32, is_pure=True,
+                                             pack=1)
+        elif x.dtype == tl.float16:
+            return tl.inline_asm_elementwise("cvt.f32.f16 $0, $1;", "=r,h", [x], dtype=tl.float32, is_pure=True,
+                                             pack=1)
+        else:
+            return x.to(tl.float32)
+
 
 @triton.jit
 def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
@@ -76,10 +109,11 @@ def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
               stride_v_l, stride_v_w, stride_v_h, stride_v_d,
               stride_a_l, stride_a_w, stride_a_h,
               stride_b_l, stride_b_w, stride_b_h,
-              W: tl.constexpr):
-    """Row n's raw inputs, as loaded: q, k, v, a, b (or gamma, beta when the caller gave the gates).
-    Rows n >= W load zeros (the prefetch past the last row). Nothing here uses the loaded values, so the
-    loads are in flight while the previous row updates the state."""
+              W: tl.constexpr, WIDEN_AT_LOAD: tl.constexpr):
+    """Row n's raw inputs, as loaded: q, k, v, a, b (or gamma, beta when the caller gave the gates); q, k
+    already fp32 with WIDEN_AT_LOAD (BuildOptions). Rows n >= W load zeros (the prefetch past the last
+    row). Nothing else here uses the loaded values, so the loads are in flight while the previous row
+    updates the state."""
     live = n < W
     b_a = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0)
     b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0)
@@ -89,6 +123,8 @@ def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
                   mask=m_k & live, other=0.0)
     b_v = tl.load(v + i_l * stride_v_l + n * stride_v_w + i_h * stride_v_h + o_v * stride_v_d,
                   mask=m_v & live, other=0.0)
+    if WIDEN_AT_LOAD:
+        b_q, b_k = widen(b_q), widen(b_k)
     return b_q, b_k, b_v, b_a, b_b
 
 
@@ -173,7 +209,7 @@ def gdn_verify_kernel(
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-    TREES: tl.constexpr, GATES_GIVEN: tl.constexpr,
+    TREES: tl.constexpr, GATES_GIVEN: tl.constexpr, WIDEN_AT_LOAD: tl.constexpr,
 ):
     """One program: dv tile i_v, value head i_h, and a lane's chain (without TREES: every lane is a
     chain, the caller's promise; parents are not read) or one root-to-leaf path of a lane's tree (W
@@ -209,7 +245,7 @@ def gdn_verify_kernel(
         q, k, v, a, b, i_l, i_h, i_hk, i_n, o_k, o_v, m_k, m_v,
         stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
         stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-        stride_b_l, stride_b_w, stride_b_h, W)
+        stride_b_l, stride_b_w, stride_b_h, W, WIDEN_AT_LOAD)
     for _ in range(0, count):
         if TREES:  # the path's next node (W past its end)
             i_next = tl.min(tl.where((b_on > 0) & (o_w > i_n), o_w, W))
@@ -219,7 +255,7 @@ def gdn_verify_kernel(
             q, k, v, a, b, i_l, i_h, i_hk, i_next, o_k, o_v, m_k, m_v,
             stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
             stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-            stride_b_l, stride_b_w, stride_b_h, W)
+            stride_b_l, stride_b_w, stride_b_h, W, WIDEN_AT_LOAD)
         b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt,
                                                                        scale, GATES_GIVEN)
         b_S, b_o, b_delta = row_step(b_S, b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq)
@@ -275,7 +311,8 @@ def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_id
         *parents.stride(),
         dk ** -0.5,
         HK=nk, HV=nv, K=dk, V=dv, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W),
-        TREES=not chains, GATES_GIVEN=gates_given, num_warps=num_warps, num_stages=1, enable_fp_fusion=FP_FUSION,
+        TREES=not chains, GATES_GIVEN=gates_given, WIDEN_AT_LOAD=BUILD.widen_at_load, num_warps=num_warps,
+        num_stages=1, enable_fp_fusion=BUILD.fp_fusion,
         enable_reflect_ftz=False,
     )
     return o, replay_log

@@ -56,12 +56,12 @@ if triton.knobs.runtime.interpret:
         return x + y
 
     @triton.jit
-    def widen(x):
-        return x.to(tl.float32)
-
-    @triton.jit
     def exact_mul(x, y):
         return x * y
+
+    @triton.jit
+    def widen(x):
+        return x.to(tl.float32)
 else:
     # libdevice __nv_expf / __nv_log1pf / __nv_rsqrtf: what torch's CUDA kernels call (tl.exp is ex2.approx).
     @triton.jit

@@ -349,6 +349,21 @@ def test_gdn_verify_chain_kernel_bitwise_equals_general_kernel(case):
 
 
 @interpreted
+def test_gdn_verify_build_options_change_no_value(monkeypatch):
+    """verify.BuildOptions only change how the kernel compiles: here (no FMA contraction in the
+    interpreter, bf16 -> fp32 exact wherever it happens) every option gives the default's bits."""
+    import deltaflash.ops.gdn.verify as verify_mod
+
+    L, W, nk, nv, dk, dv, _, dtype = KERNEL_CASES["W5 dk32 tree bf16"]
+    p = make_gdn(L=L, W=W, nk=nk, nv=nv, dk=dk, dv=dv, dtype=dtype, seed=23)
+    parents = random_tree_parents(L, W, seed=24)
+    default = run_verify_kernel(p, parents)
+    for options in (verify_mod.BuildOptions(widen_at_load=True), verify_mod.BuildOptions(True, True)):
+        monkeypatch.setattr(verify_mod, "BUILD", options)
+        assert all(torch.equal(x, y) for x, y in zip(run_verify_kernel(p, parents), default)), options
+
+
+@interpreted
 def test_gdn_verify_kernel_tree_nodes_bitwise_equal_chain_along_root_path():
     p = make_gdn(L=2, W=7, nk=1, nv=2, dk=32, dv=16, seed=9)
     parents = random_tree_parents(2, 7, seed=10)

@@ -67,7 +67,8 @@ for step in "$@"; do
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
         tune) run tune 120 python3 bench/tune_verify.py ;;
         tunebuild) for flags in --fp-fusion --widen-at-load "--fp-fusion --widen-at-load"; do  # issue 16: verify.BuildOptions
-                       run tunebuild 150 python3 bench/tune_verify.py $flags --configs 8x1 16x1 32x1 16x2 16x4
+                       run tunebuild 120 python3 bench/tune_verify.py $flags --lanes 1 16 64 \
+                           --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4
                    done ;;  # (gamma vs torch: GATES)
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;

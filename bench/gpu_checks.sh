@@ -65,7 +65,7 @@ for step in "$@"; do
                    ls -la "$OUT"/triton-cache.tgz.part-* | tee -a "$LOG" ;;
         invariance) run invariance 150 python3 bench/batch_invariance.py ;;
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
-        tune) run tune 120 python3 bench/tune_verify.py ;;
+        tune) run tune 200 python3 bench/tune_verify.py ;;
         tunebuild) for flags in --fp-fusion --widen-at-load "--fp-fusion --widen-at-load"; do  # issue 16: verify.BuildOptions
                        run tunebuild 120 python3 bench/tune_verify.py $flags --lanes 1 16 64 \
                            --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4

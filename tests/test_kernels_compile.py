@@ -61,7 +61,9 @@ SCRIPT = textwrap.dedent("""
                      for n in state_commit_kernel.arg_names}
         kernel = triton.compile(ASTSource(state_commit_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
-        assert ".entry state_commit_kernel" in kernel.asm["ptx"] and "fma" not in kernel.asm["ptx"]  # replay update
+        assert ".entry state_commit_kernel" in kernel.asm["ptx"]
+        if state == "fp32":  # the replay's update is verify.decay_update: a rounded decay, then one explicit FMA
+            assert "fma.rn.f32" in kernel.asm["ptx"]
     for dtype, consts in (("bf16", dict(PAGE=16, D=1024, BD=1024)), ("fp32", dict(PAGE=4, D=10, BD=16))):  # tree K/V moves
         pointers = dict(key_cache=f"*{dtype}", value_cache=f"*{dtype}", block_tables="*i32", slot_ids="*i64",
                         start="*i64", nodes="*i64", rows="*i64")
@@ -70,15 +72,18 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(move_tree_rows_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4))
         assert ".entry move_tree_rows_kernel" in kernel.asm["ptx"]
-    for trees in (False, True):  # the chain kernel; the tree kernel (a program per root-to-leaf path)
-        consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=16, BW=16, LOG_BK=7, TREES=trees)
+    # the chain kernel and the tree kernel (a program per root-to-leaf path); the fused route's gates and the
+    # unfused route's (GATES_GIVEN); verify.BuildOptions off and on (FMA contraction, q / k widened at load)
+    for trees, gates_given, build in ((False, False, False), (True, False, False), (False, True, True), (True, True, True)):
+        consts = dict(HK=16, HV=32, K=128, V=128, W=16, BK=128, BV=16, BW=16, TREES=trees, GATES_GIVEN=gates_given,
+                      WIDEN_AT_LOAD=build)
         pointers = dict(q="*bf16", k="*bf16", v="*bf16", a="*bf16", b="*bf16", A_log="*fp32", dt_bias="*fp32",
                         recurrent_state="*fp32", state_slot_ids="*i32", parents="*i64", o="*bf16", replay_log="*fp32",
                         scale="fp32")
         signature = {n: pointers.get(n, "constexpr" if n in consts else "i64")
                      for n in gdn_verify_kernel.arg_names}
         kernel = triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4, num_stages=1, enable_fp_fusion=False))
+                                options=dict(num_warps=4, num_stages=1, enable_fp_fusion=build))
         assert ".entry gdn_verify_kernel" in kernel.asm["ptx"]
     signature = {n: "constexpr" if n == "BN" else "*i1" if n == "valid" else "i32" if n in ("N", "D") else
                  "i64" if n.startswith("stride") else "*i64" for n in greedy_walk_kernel.arg_names}

@@ -28,7 +28,7 @@ class BuildOptions:
         exact_mul where contraction reached them; the gates' sm_90 SASS is the same with and without it).
     widen_at_load: q and k become fp32 where they are loaded (a few elements a thread) rather than after
         their broadcast over the state tile (the whole vector in every thread): sm_90 row loop at BV 16,
-        one warp, 878 -> 692 instructions, but 168 -> 234 registers. The value is the same (bf16 -> fp32 is
+        one warp, 878 -> 690 instructions, but 168 -> 234 registers. The value is the same (bf16 -> fp32 is
         exact)."""
 
     fp_fusion: bool = False
@@ -142,9 +142,13 @@ def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, GATES_GIVEN: tl.c
         b_beta = tl.math.div_rn(1.0, exact_add(exact_exp(-b_b.to(tl.float32)), 1.0))
     b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
-    b_rq = exact_rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
-    b_rk = exact_rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
-    return b_q, b_k, b_v.to(tl.float32), b_gamma, b_beta, b_rk, b_rq, tl.sum(b_k * b_q, 0)
+    # q.q, k.k and k.q in one reduction over dk ([dk, 2, 2] -> [2, 2]: (q.q, k.k) and (k.q, k.q))
+    b_norms, b_cross = tl.split(tl.sum(tl.join(tl.join(b_q * b_q, b_k * b_k), tl.join(b_k * b_q, b_k * b_q)), 0))
+    b_qq, b_kk = tl.split(b_norms)
+    b_kq, _ = tl.split(b_cross)
+    b_rq = exact_rsqrt(b_qq + 1e-6) * scale
+    b_rk = exact_rsqrt(b_kk + 1e-6)
+    return b_q, b_k, b_v.to(tl.float32), b_gamma, b_beta, b_rk, b_rq, b_kq
 
 
 @triton.jit
@@ -166,8 +170,8 @@ def row_step(b_S, b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq):
     Every per-row vector op is on dv-sized vectors; the [BK, BV] tile sees two products, two sums, the
     decay and one FMA. Returns (S', o, d). The verify kernel's arithmetic, shared with the unfused route
     (README.md)."""
-    b_Sk = tl.sum(b_S * b_k[:, None], 0)
-    b_Sq = tl.sum(b_S * b_q[:, None], 0)
+    # both sums in one reduction: a tile spread over several warps crosses them once a row, not twice
+    b_Sk, b_Sq = tl.split(tl.sum(tl.join(b_S * b_k[:, None], b_S * b_q[:, None]), 0))
     b_d = b_rk * (b_beta * (b_v - b_gamma * (b_rk * b_Sk)))
     b_o = b_rq * tl.fma(b_d, b_kq, b_gamma * b_Sq)
     return decay_update(b_S, b_gamma, b_k, b_d), b_o, b_d

@@ -84,7 +84,8 @@ def sequential_gdn(q, k, v, a, b, A_log, dt_bias, state):
         for h in range(nv):
             k_raw = k[t, h // (nv // nk)].float()
             qh = q[t, h // (nv // nk)].float()
-            kh = k_raw / torch.sqrt((k_raw * k_raw).sum() + 1e-6)
+            k_norm = torch.sqrt((k_raw * k_raw).sum() + 1e-6)
+            kh = k_raw / k_norm
             qh = qh / torch.sqrt((qh * qh).sum() + 1e-6) * dk ** -0.5
             g = -torch.exp(A_log[h]) * F.softplus(a[t, h].float() + dt_bias[h])
             beta = torch.sigmoid(b[t, h].float())
@@ -92,7 +93,7 @@ def sequential_gdn(q, k, v, a, b, A_log, dt_bias, state):
             delta = beta * (v[t, h].float() - S[h].T @ kh)
             S[h] = S[h] + torch.outer(kh, delta)
             o_t.append(S[h].T @ qh)
-            log_t.append(torch.cat([torch.exp(g)[None], k_raw, delta / torch.sqrt((k_raw * k_raw).sum() + 1e-6)]))
+            log_t.append(torch.cat([torch.exp(g)[None], k_raw, delta / k_norm]))
         outs.append(torch.stack(o_t))
         logs.append(torch.stack(log_t))
         states.append(S.clone())

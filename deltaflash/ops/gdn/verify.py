@@ -25,7 +25,8 @@ class BuildOptions:
     --widen-at-load; static counts: bench/verify_registers.py).
     fp_fusion: FMA contraction of the whole kernel (the recurrence's own FMAs are explicit either way); the
         dk sums then fold their products in. The gates keep torch's rounding either way (exact_add /
-        exact_mul where contraction reached them; the gates' sm_90 SASS is the same with and without it).
+        exact_mul where contraction reached them; compiled alone for sm_90 the gates issue the same
+        floating-point instructions, by count, with and without it).
     widen_at_load: q and k become fp32 where they are loaded (a few elements a thread) rather than after
         their broadcast over the state tile (the whole vector in every thread): sm_90 row loop at BV 16,
         one warp, 878 -> 690 instructions, but 168 -> 234 registers. The value is the same (bf16 -> fp32 is

@@ -10,7 +10,8 @@
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
-# overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# overrides a limit; TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets
+# (comma-joined flags, e.g. "--fp-fusion,--widen-at-load"); TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -65,10 +66,10 @@ for step in "$@"; do
                    ls -la "$OUT"/triton-cache.tgz.part-* | tee -a "$LOG" ;;
         invariance) run invariance 150 python3 bench/batch_invariance.py ;;
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;
-        tune) run tune 200 python3 bench/tune_verify.py ;;
-        tunebuild) for flags in --fp-fusion --widen-at-load "--fp-fusion --widen-at-load"; do  # issue 16: verify.BuildOptions
-                       run tunebuild 120 python3 bench/tune_verify.py $flags --lanes 1 16 64 \
-                           --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4
+        tune) run tune 200 python3 bench/tune_verify.py ${TUNE_ARGS:-} ;;
+        tunebuild) for flags in ${BUILD_SETS:---fp-fusion --widen-at-load --fp-fusion,--widen-at-load}; do  # verify.BuildOptions
+                       run tunebuild 120 python3 bench/tune_verify.py ${flags//,/ } ${TUNE_ARGS:---lanes 1 16 64 \
+                           --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4}
                    done ;;  # (gamma vs torch: GATES)
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;

@@ -38,7 +38,7 @@ gdn_verify_kernel = load_kernel(os.environ.get("VERIFY_PY", str(Path(__file__).p
 
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", a="*bf16", b="*bf16", A_log="*fp32", dt_bias="*fp32",
                 recurrent_state="*fp32", state_slot_ids="*i64", parents="*i64", o="*bf16", replay_log="*fp32")
-UNIT_STRIDES = ("stride_q_d", "stride_k_d", "stride_v_d", "stride_s_v", "stride_p_w")
+UNIT_STRIDES = ("stride_q_d", "stride_k_d", "stride_v_d", "stride_a_h", "stride_b_h", "stride_s_v", "stride_p_w")
 SHOWN = ("FFMA", "FMUL", "FADD", "SHFL", "LDG", "STG", "LDS", "STS", "BAR", "LDL", "STL", "PRMT")
 
 
@@ -50,7 +50,11 @@ def compile_verify(bv: int, num_warps: int, fp_fusion: bool, widen_at_load: bool
                    if name in gdn_verify_kernel.arg_names})
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name == "scale" else "i32")
                  for name in gdn_verify_kernel.arg_names}
-    return triton.compile(ASTSource(gdn_verify_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+    # what the JIT sees at the 9B shape: every pointer 16-byte aligned, every other integer a multiple of 16
+    # (without these hints Triton picks other layouts: the figures would not be the launched kernel's)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(gdn_verify_kernel.arg_names)
+               if signature[name].startswith("*") or signature[name] == "i32"}
+    return triton.compile(ASTSource(gdn_verify_kernel, signature, consts, aligned), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=fp_fusion,
                                        enable_reflect_ftz=False))
 

@@ -21,22 +21,20 @@ MAX_WIDTH = 64  # rows per lane; BW = next power of two is held in registers
 @dataclass(frozen=True)
 class BuildOptions:
     """How the verify kernel is compiled; neither changes what the two routes agree on (both run this
-    kernel), and both wait for GPU timings to be switched on (bench/tune_verify.py --fp-fusion
-    --widen-at-load; static counts: bench/verify_registers.py).
+    kernel). BUILD turns both on: H200, 9B shape, 64 lanes, BV 32 (bench/tune_verify.py, 2026-12-05)
+    0.217 ms with neither, 0.225 with widen_at_load alone, 0.196 with both (sm_90 row loop 1,308 -> 903
+    instructions a thread: bench/verify_registers.py).
     fp_fusion: FMA contraction of the whole kernel (the recurrence's own FMAs are explicit either way); the
         dk sums then fold their products in. The gates keep torch's rounding either way (exact_add /
-        exact_mul where contraction reached them; compiled alone for sm_90 the gates issue the same
-        floating-point instructions, by count, with and without it).
+        exact_mul where contraction reached them; gamma == torch's is checked on the GPU).
     widen_at_load: q and k become fp32 where they are loaded (a few elements a thread) rather than after
-        their broadcast over the state tile (the whole vector in every thread): sm_90 row loop at BV 16,
-        one warp, 878 -> 690 instructions, but 168 -> 234 registers. The value is the same (bf16 -> fp32 is
-        exact)."""
+        their broadcast over the state tile. The value is the same (bf16 -> fp32 is exact)."""
 
     fp_fusion: bool = False
     widen_at_load: bool = False
 
 
-BUILD = BuildOptions()
+BUILD = BuildOptions(fp_fusion=True, widen_at_load=True)  # bench/tune_verify.py, 2026-12-05: 0.217 -> 0.196 ms at 64 lanes
 
 if triton.knobs.runtime.interpret:
     # The interpreter has no libdevice; numpy's functions stand in (CPU tests only).
@@ -104,20 +102,15 @@ else:
 
 
 @triton.jit
-def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
+def row_loads(q, k, v, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
               stride_q_l, stride_q_w, stride_q_h, stride_q_d,
               stride_k_l, stride_k_w, stride_k_h, stride_k_d,
               stride_v_l, stride_v_w, stride_v_h, stride_v_d,
-              stride_a_l, stride_a_w, stride_a_h,
-              stride_b_l, stride_b_w, stride_b_h,
               W: tl.constexpr, WIDEN_AT_LOAD: tl.constexpr):
-    """Row n's raw inputs, as loaded: q, k, v, a, b (or gamma, beta when the caller gave the gates); q, k
-    already fp32 with WIDEN_AT_LOAD (BuildOptions). Rows n >= W load zeros (the prefetch past the last
-    row). Nothing else here uses the loaded values, so the loads are in flight while the previous row
-    updates the state."""
+    """Row n's q, k, v as loaded; q, k already fp32 with WIDEN_AT_LOAD (BuildOptions). Rows n >= W load
+    zeros (the prefetch past the last row). Nothing else here uses the loaded values, so the loads are in
+    flight while the previous row updates the state."""
     live = n < W
-    b_a = tl.load(a + i_l * stride_a_l + n * stride_a_w + i_h * stride_a_h, mask=live, other=0.0)
-    b_b = tl.load(b + i_l * stride_b_l + n * stride_b_w + i_h * stride_b_h, mask=live, other=0.0)
     b_q = tl.load(q + i_l * stride_q_l + n * stride_q_w + i_hk * stride_q_h + o_k * stride_q_d,
                   mask=m_k & live, other=0.0)
     b_k = tl.load(k + i_l * stride_k_l + n * stride_k_w + i_hk * stride_k_h + o_k * stride_k_d,
@@ -126,21 +119,30 @@ def row_loads(q, k, v, a, b, i_l, i_h, i_hk, n, o_k, o_v, m_k, m_v,
                   mask=m_v & live, other=0.0)
     if WIDEN_AT_LOAD:
         b_q, b_k = widen(b_q), widen(b_k)
-    return b_q, b_k, b_v, b_a, b_b
+    return b_q, b_k, b_v
 
 
 @triton.jit
-def row_prepare(b_q, b_k, b_v, b_a, b_b, b_neg_A, b_dt, scale, GATES_GIVEN: tl.constexpr):
-    """A row's fp32 q, k (not normalised: the norms are scalars, applied to dv-sized vectors in row_step),
-    v, gamma, beta, 1/|k|, scale/|q| and k.q from its raw loads: g = -exp(A_log) * softplus(a + dt_bias),
-    gamma = exp(g), beta = sigmoid(b) - or, GATES_GIVEN, the loads are gamma and beta already (the
-    unfused route computes them op by op, to the same bits). |x| = sqrt(sum x^2 + 1e-6)."""
+def lane_gates(b_a, b_b, b_neg_A, b_dt, GATES_GIVEN: tl.constexpr):
+    """gamma and beta of all a lane's rows at once ([BW] -> [BW, 2]): g = -exp(A_log) * softplus(a + dt_bias),
+    gamma = exp(g), beta = sigmoid(b), in torch's roundings (exact_*: the unfused route computes them op
+    by op, to the same bits) - or, GATES_GIVEN, the loads are gamma and beta already. A warp computes a
+    vector as fast as a scalar: the exp / log1p / division chain runs once a program, not once a row."""
     if GATES_GIVEN:
         b_gamma, b_beta = b_a.to(tl.float32), b_b.to(tl.float32)
     else:
         b_x = b_a.to(tl.float32) + b_dt
         b_gamma = exact_exp(exact_mul(b_neg_A, tl.where(b_x > 20.0, b_x, exact_log1p(exact_exp(b_x)))))
         b_beta = tl.math.div_rn(1.0, exact_add(exact_exp(-b_b.to(tl.float32)), 1.0))
+    return tl.join(b_gamma, b_beta)
+
+
+@triton.jit
+def row_prepare(b_q, b_k, b_v, b_gates, o_w, n, scale):
+    """Row n's fp32 q, k (not normalised: the norms are scalars, applied to dv-sized vectors in row_step),
+    v, gamma, beta (row n of lane_gates: the others masked to +0, so the sum is exact), 1/|k|, scale/|q|
+    and k.q from its loads. |x| = sqrt(sum x^2 + 1e-6)."""
+    b_gamma, b_beta = tl.split(tl.sum(tl.where((o_w == n)[:, None], b_gates, 0.0), 0))
     b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
     # q.q, k.k and k.q in one reduction over dk ([dk, 2, 2] -> [2, 2]: (q.q, k.k) and (k.q, k.q))
@@ -222,17 +224,17 @@ def gdn_verify_kernel(
     registers and each row continues from the previous row's: a path program recomputes the nodes it
     shares with other paths (the same update from the same slot state, so the same bits) and writes
     only those it owns (leaf_path), so a tree costs its depth in rows, not its node count.
-    Row n + 1's raw inputs are loaded before row n updates the state and prepared (norms, gates) after,
-    so the loads are in flight during the update."""
+    The gates of every row are computed once, before the first; row n + 1's q, k, v are loaded before row
+    n updates the state and prepared (norms) after, so the loads are in flight during the update."""
     i_v, i_h, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     E: tl.constexpr = 1 + K + V  # replay log entry: [gamma, k (K), delta (V)]
+    o_w = tl.arange(0, BW)
     if TREES:
         i_l = (i_g // W).to(tl.int64)
-        o_w = tl.arange(0, BW)
         b_on, i_n, count, owned_from = leaf_path(parents, i_l, i_g % W, o_w, stride_p_l, stride_p_w, W)
     else:
         i_l = i_g.to(tl.int64)
@@ -244,25 +246,25 @@ def gdn_verify_kernel(
     b_S = tl.load(p_S0 + o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v, mask=m_S0, other=0.0)
     b_neg_A = -exact_exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
+    b_a = tl.load(a + i_l * stride_a_l + o_w * stride_a_w + i_h * stride_a_h, mask=o_w < W, other=0.0)
+    b_b = tl.load(b + i_l * stride_b_l + o_w * stride_b_w + i_h * stride_b_h, mask=o_w < W, other=0.0)
+    b_gates = lane_gates(b_a, b_b, b_neg_A, b_dt, GATES_GIVEN)  # [BW, 2]: every row's gamma and beta
     p_log_lane = replay_log + (i_l * W * HV + i_h) * E  # row n of this lane and head: + n * HV * E
 
-    r_q, r_k, r_v, r_a, r_b = row_loads(
-        q, k, v, a, b, i_l, i_h, i_hk, i_n, o_k, o_v, m_k, m_v,
+    r_q, r_k, r_v = row_loads(
+        q, k, v, i_l, i_h, i_hk, i_n, o_k, o_v, m_k, m_v,
         stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
-        stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-        stride_b_l, stride_b_w, stride_b_h, W, WIDEN_AT_LOAD)
+        stride_v_l, stride_v_w, stride_v_h, stride_v_d, W, WIDEN_AT_LOAD)
     for _ in range(0, count):
         if TREES:  # the path's next node (W past its end)
             i_next = tl.min(tl.where((b_on > 0) & (o_w > i_n), o_w, W))
         else:
             i_next = i_n + 1
-        n_q, n_k, n_v, n_a, n_b = row_loads(
-            q, k, v, a, b, i_l, i_h, i_hk, i_next, o_k, o_v, m_k, m_v,
+        n_q, n_k, n_v = row_loads(
+            q, k, v, i_l, i_h, i_hk, i_next, o_k, o_v, m_k, m_v,
             stride_q_l, stride_q_w, stride_q_h, stride_q_d, stride_k_l, stride_k_w, stride_k_h, stride_k_d,
-            stride_v_l, stride_v_w, stride_v_h, stride_v_d, stride_a_l, stride_a_w, stride_a_h,
-            stride_b_l, stride_b_w, stride_b_h, W, WIDEN_AT_LOAD)
-        b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq = row_prepare(r_q, r_k, r_v, r_a, r_b, b_neg_A, b_dt,
-                                                                       scale, GATES_GIVEN)
+            stride_v_l, stride_v_w, stride_v_h, stride_v_d, W, WIDEN_AT_LOAD)
+        b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq = row_prepare(r_q, r_k, r_v, b_gates, o_w, i_n, scale)
         b_S, b_o, b_delta = row_step(b_S, b_q, b_k, b_v, b_gamma, b_beta, b_rk, b_rq, b_kq)
 
         mine = i_n >= owned_from
@@ -273,26 +275,25 @@ def gdn_verify_kernel(
             tl.store(p_n + 1 + o_k, b_k, mask=m_k)
         tl.store(p_n + 1 + K + o_v, b_delta, mask=m_v & mine)
         i_n = i_next
-        r_q, r_k, r_v, r_a, r_b = n_q, n_k, n_v, n_a, n_b
+        r_q, r_k, r_v = n_q, n_k, n_v
 
 
 def verify_tiles(dk: int, dv: int, programs_per_tile: int):
     """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. The sums over dk
     follow the tile's layout, so the bits depend on this choice: both routes call it with the same
-    arguments (README.md). Device time on the H200 at the 9B shape of the previous kernel (sums as
-    halving trees, no FMA; `bench/tune_verify.py`, 2026-11-29), ms at 1 / 4 / 16 / 64 lanes:
-        BV 8, 1 warp   0.043 / 0.060 / 0.229 / 0.813
-        BV 16, 1 warp  0.045 / 0.053 / 0.173 / 0.642
-        BV 32, 1 warp  0.069 / 0.069 / 0.141 / 0.549
-        BV 16, 4 warps 0.031 / 0.101 / 0.387 / 1.490
-    With the SMs full, one warp keeps every dk sum inside the warp, and wider tiles share each row's
-    loads, norms and gates over more columns. With too few programs to fill them (one lane), 4 warps
-    per program shorten each program's row chain."""
-    if programs_per_tile < 64:
-        BV, num_warps = 16, 4
-    else:
-        BV, num_warps = (32 if programs_per_tile >= 512 else 16 if programs_per_tile >= 128 else 8), 1
-    return triton.next_power_of_2(dk), min(BV, triton.next_power_of_2(dv)), num_warps
+    arguments (README.md). Device time on the H200 at the 9B shape, W 16, both BuildOptions on, before the
+    gates left the row loop (`bench/tune_verify.py`, 2026-12-05), ms at 1 / 4 / 16 / 64 lanes:
+        BV 4, 1 warp   0.015 / 0.043 / 0.141 / 0.533
+        BV 16, 1 warp  0.013 / 0.017 / 0.062 / 0.222
+        BV 32, 1 warp  0.015 / 0.016 / 0.052 / 0.196
+        BV 64, 2 warps 0.020 / 0.022 / 0.064 / 0.239
+        BV 16, 4 warps 0.023 / -     / 0.193 / 0.732
+    One warp keeps every dk sum inside the warp; a BV 32 tile holds 32 of a column's 128 rows in each
+    thread (4 threads a column), so most of a sum is a thread's own FMA chain, and it shares each row's
+    loads and norms over more columns. With too few programs to fill the SMs (one lane: 32), BV 16 makes
+    twice as many."""
+    BV = 16 if programs_per_tile < 128 else 32
+    return triton.next_power_of_2(dk), min(BV, triton.next_power_of_2(dv)), 1
 
 
 def gdn_verify_fwd(q, k, v, a, b, A_log, dt_bias, recurrent_state, state_slot_ids, parents, o, replay_log,

@@ -5,13 +5,13 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune tunebuild kernels round profile demo first e2e6 e2e3 e2edemo e2epair attention paged longctx
+# Steps: tests spec target tune tunebuild kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets
-# (comma-joined flags, e.g. "--fp-fusion,--widen-at-load"); TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# (comma-joined flags, e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto); TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -80,6 +80,10 @@ for step in "$@"; do
                        run firstpair 240 python3 bench/first_requests.py --out "$OUT/first$flag.json" -- $flag
                    done ;;
         e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
+        e2etau) for tau in ${TAUS:-6 3}; do  # issue 16: scripted tau 6 / 3 at the serve defaults, every load
+                    run e2etau 300 python3 -m deltaflash bench e2e --workload scripted --tau $tau --prompts 16 \
+                        --concurrency 1 4 16 64 --no-profile --speculation ${SPECULATION:-auto} --out "$OUT/tau$tau" --quiet
+                done ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2epair) for tree in . "${OLD_TREE:?e2epair: set OLD_TREE to an exported older tree}"; do  # same command, two trees
                      for len in "" 320; do  # HEAD also at the old tree's max_model_len (its prompts + 129)

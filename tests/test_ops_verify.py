@@ -336,6 +336,8 @@ def test_gdn_verify_kernel_matches_ref(case):
         torch.testing.assert_close(o, o_ref, **tol)
         torch.testing.assert_close(log, log_ref, rtol=1e-5, atol=1e-6)
         assert torch.equal(log[..., 1:1 + dk], log_ref[..., 1:1 + dk])  # k as given (exact in fp32)
+        if route is gdn_verify_unfused:  # torch's gamma through the kernel's per-row pick, bit for bit
+            assert torch.equal(log[..., 0], log_ref[..., 0])
 
 
 @interpreted

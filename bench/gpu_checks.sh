@@ -5,7 +5,7 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune tunebuild kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
+# Steps: tests spec target tune tunebuild tuneconv kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
@@ -71,6 +71,7 @@ for step in "$@"; do
                        run tunebuild 120 python3 bench/tune_verify.py ${flags//,/ } ${TUNE_ARGS:---lanes 1 16 64 \
                            --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4}
                    done ;;  # (gamma vs torch: GATES)
+        tuneconv) run tuneconv 90 python3 bench/tune_conv.py ;;  # issue 15: the prefill conv's tiles
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;

@@ -1,0 +1,67 @@
+"""Time the prefill conv kernel (conv_extend_heads: depthwise causal conv + SiLU, q / k L2-normalised and
+repeated per value head) over (rows per program, warps) tiles at the 9B layer shape (CUDA).
+
+Usage: python bench/tune_conv.py [--tokens 2048 512] [--configs 32x4 64x4 ...] (ROWSxWARPS)
+
+Prints device milliseconds per call (CUDA-graph replay), the bytes moved as a rate, and that rate over
+the measured copy rate (1.0 = the byte roofline). The input is a strided column view of a projection, as
+in the model. Per config it checks the outputs equal the current default tile's bit for bit (the conv
+arithmetic is per element; the head norm's sum is over one row's channels, inside a program) - a
+config marked BITS would change the prefill's values and cannot be taken as it is.
+"""
+
+import argparse
+
+import torch
+
+import deltaflash.ops.conv.extend as extend
+from deltaflash.bench.common import copy_bandwidth_gbs, graph_ms
+
+NK, NV, DK, DV, KERNEL = 16, 32, 128, 128, 4  # the 9B GDN layer
+
+
+def layer(T: int):
+    C = 2 * NK * DK + NV * DV
+    proj = torch.randn(1, T, C + NV * DV + 2 * NV, dtype=torch.bfloat16, device="cuda")  # qkv, z, a, b
+    rows = proj[..., :C]
+    history = torch.randn(1, C, KERNEL - 1, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(C, KERNEL, dtype=torch.bfloat16, device="cuda") * 0.5
+    n_rows = torch.tensor([T], device="cuda")
+    return rows, history, weight, n_rows
+
+
+def moved_bytes(T: int) -> int:
+    """Rows read once, q and k written once per value head, v written, history read and written."""
+    C = 2 * NK * DK + NV * DV
+    return 2 * (T * C + 2 * T * NV * DK + T * NV * DV + 2 * C * (KERNEL - 1))
+
+
+@torch.inference_mode()
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 512])
+    p.add_argument("--configs", nargs="+", default=["16x4", "32x4", "64x4", "128x4", "32x8", "64x8", "128x8", "32x2"])
+    args = p.parse_args()
+    default = (extend.ROW_TILE, extend.NUM_WARPS)
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
+    bw = copy_bandwidth_gbs("cuda")
+    print(f"copy rate {bw:.0f} GB/s; default tile {default[0]}x{default[1]} (rows x warps)")
+    print("tokens  " + "  ".join(f"{r}x{w}".rjust(20) for r, w in configs) + "   (ms, TB/s, x roofline)")
+    for T in args.tokens:
+        inputs = layer(T)
+        extend.ROW_TILE, extend.NUM_WARPS = default
+        reference = extend.conv_extend_heads(*inputs, NK, NV, DK)
+        cells = []
+        for rows_per_program, warps in configs:
+            extend.ROW_TILE, extend.NUM_WARPS = rows_per_program, warps
+            out = extend.conv_extend_heads(*inputs, NK, NV, DK)
+            same = all(torch.equal(a, b) for a, b in zip(out, reference))
+            ms = graph_ms(lambda: extend.conv_extend_heads(*inputs, NK, NV, DK))
+            rate = moved_bytes(T) / (ms * 1e-3) / 1e12
+            cells.append(f"{ms:.4f} {rate:4.2f} {bw / 1e3 / rate:4.1f}x{'' if same else ' BITS'}")
+        print(f"{T:6d}  " + "  ".join(c.rjust(20) for c in cells))
+    extend.ROW_TILE, extend.NUM_WARPS = default
+
+
+if __name__ == "__main__":
+    main()

@@ -34,7 +34,7 @@ class BuildOptions:
     widen_at_load: bool = False
 
 
-BUILD = BuildOptions(fp_fusion=True, widen_at_load=True)  # bench/tune_verify.py, 2026-12-05: 0.217 -> 0.196 ms at 64 lanes
+BUILD = BuildOptions(fp_fusion=True, widen_at_load=True)
 
 if triton.knobs.runtime.interpret:
     # The interpreter has no libdevice; numpy's functions stand in (CPU tests only).
@@ -281,18 +281,17 @@ def gdn_verify_kernel(
 def verify_tiles(dk: int, dv: int, programs_per_tile: int):
     """(BK, BV, num_warps) of the verify kernel; programs_per_tile = lanes * value heads. The sums over dk
     follow the tile's layout, so the bits depend on this choice: both routes call it with the same
-    arguments (README.md). Device time on the H200 at the 9B shape, W 16, both BuildOptions on, before the
-    gates left the row loop (`bench/tune_verify.py`, 2026-12-05), ms at 1 / 4 / 16 / 64 lanes:
-        BV 4, 1 warp   0.015 / 0.043 / 0.141 / 0.533
-        BV 16, 1 warp  0.013 / 0.017 / 0.062 / 0.222
-        BV 32, 1 warp  0.015 / 0.016 / 0.052 / 0.196
-        BV 64, 2 warps 0.020 / 0.022 / 0.064 / 0.239
-        BV 16, 4 warps 0.023 / -     / 0.193 / 0.732
-    One warp keeps every dk sum inside the warp; a BV 32 tile holds 32 of a column's 128 rows in each
-    thread (4 threads a column), so most of a sum is a thread's own FMA chain, and it shares each row's
-    loads and norms over more columns. With too few programs to fill the SMs (one lane: 32), BV 16 makes
-    twice as many."""
-    BV = 16 if programs_per_tile < 128 else 32
+    arguments (README.md). Device time on the H200 at the 9B shape (32 value heads), W 16, both
+    BuildOptions, gates once a lane (`bench/tune_verify.py`, 2026-12-05), ms at 1 / 4 / 16 / 64 lanes:
+        BV 8, 1 warp   0.009 / 0.023 / 0.079 / 0.290
+        BV 16, 1 warp  0.011 / 0.017 / 0.055 / 0.195
+        BV 32, 1 warp  0.013 / 0.015 / 0.044 / 0.159
+        BV 64, 2 warps 0.017 / 0.019 / 0.057 / 0.210
+    (before that: BV 16 x 4 warps 0.023 at one lane, 0.732 at 64). One warp keeps every dk sum inside the
+    warp; a BV 32 tile holds 32 of a column's 128 rows in each thread (4 threads a column), so most of a
+    sum is a thread's own FMA chain, and it shares each row's loads and norms over more columns. With too
+    few programs to fill the SMs (one lane: 32), narrower tiles make more of them."""
+    BV = 8 if programs_per_tile < 64 else 16 if programs_per_tile < 128 else 32
     return triton.next_power_of_2(dk), min(BV, triton.next_power_of_2(dv)), 1
 
 

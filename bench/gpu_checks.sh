@@ -10,8 +10,9 @@
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
-# overrides a limit; TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets
-# (comma-joined flags, e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto); TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
+# TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
+# e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto).
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);

@@ -361,7 +361,8 @@ def test_gdn_verify_build_options_change_no_value(monkeypatch):
     p = make_gdn(L=L, W=W, nk=nk, nv=nv, dk=dk, dv=dv, dtype=dtype, seed=23)
     parents = random_tree_parents(L, W, seed=24)
     default = run_verify_kernel(p, parents)
-    for options in (verify_mod.BuildOptions(widen_at_load=True), verify_mod.BuildOptions(True, True)):
+    for options in (verify_mod.BuildOptions(), verify_mod.BuildOptions(widen_at_load=True),
+                    verify_mod.BuildOptions(fp_fusion=True), verify_mod.BuildOptions(True, True)):
         monkeypatch.setattr(verify_mod, "BUILD", options)
         assert all(torch.equal(x, y) for x, y in zip(run_verify_kernel(p, parents), default)), options
 

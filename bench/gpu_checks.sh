@@ -7,12 +7,14 @@
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune tunebuild tuneconv kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
-# longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees
+# longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
-# e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto).
+# e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto); prefillscale (the scripted e2e
+# with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
+# PS_CONCURRENCY ("16 64"), SPECULATION.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -86,6 +88,13 @@ for step in "$@"; do
                     run e2etau 300 python3 -m deltaflash bench e2e --workload scripted --tau $tau --prompts 16 \
                         --concurrency 1 4 16 64 --no-profile --speculation ${SPECULATION:-auto} --out "$OUT/tau$tau" --quiet
                 done ;;
+        prefillscale) work=${PS_WORKLOAD:-scripted}  # the prefill budget beside a round scaled by its cost, or not
+                      for scale in scale no-scale; do
+                          run prefillscale 300 python3 -m deltaflash bench e2e --workload $work \
+                              $([ $work = scripted ] && echo --tau ${TAU:-6}) --prompts 16 \
+                              --concurrency ${PS_CONCURRENCY:-16 64} --no-profile --speculation ${SPECULATION:-auto} \
+                              --$scale-prefill-budget --out "$OUT/$work-$scale" --quiet
+                      done ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2epair) for tree in . "${OLD_TREE:?e2epair: set OLD_TREE to an exported older tree}"; do  # same command, two trees
                      for len in "" 320; do  # HEAD also at the old tree's max_model_len (its prompts + 129)

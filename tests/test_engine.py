@@ -13,6 +13,7 @@ from deltaflash.core.request import SamplingParams, Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.scheduler import Scheduler
 from deltaflash.errors import DeltaflashError
+from deltaflash.speculative.policy import RoundCosts
 from deltaflash.speculative.sources import ScriptedSource
 from tests.spec_pairs import EagerGraph, engine_for, make_pair, prompts
 
@@ -126,15 +127,66 @@ def test_the_prefill_budget_is_not_drawn_on_by_the_round():
     assert EngineConfig(max_num_batched_tokens=4096).resolve(torch.device("cpu"), None).idle_prefill_tokens == 4096
 
 
+def test_the_prefill_budget_beside_a_speculative_round_scales_with_its_cost():
+    """With scale_prefill_budget, a waiting prompt gets the step budget times the round's cost over a plain
+    round's at the lane bucket (calibrated seeds, then measured rounds), at most the idle budget; beside a
+    plain round, or without costs, or with the scaling off, the step budget; the plan carries its budget."""
+    def scheduler_with(costs, **options):
+        config = EngineConfig(max_slots=4, max_num_batched_tokens=20, idle_prefill_tokens=100, block_size=4,
+                              **options).resolve(torch.device("cpu"), 4)
+        scheduler = Scheduler(config, num_pages=1000, costs=costs)
+        running = [sequence(rid, 3, max_new=50) for rid in "ab"]
+        for seq in running:
+            scheduler.add(seq)
+        scheduler.schedule()
+        for seq in running:
+            seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
+        scheduler.add(sequence("long", 300))
+        return scheduler, running
+
+    costs = RoundCosts(seeds={(2, 1): 1.0, (2, 4): 2.5, (4, 1): 1.0, (4, 4): 9.0}, buckets=(1, 2, 4))
+    scheduler, running = scheduler_with(costs)
+    assert scheduler.config.scale_prefill_budget
+    plan = scheduler.schedule()  # 2 lanes x 4 rows: bucket 2, 2.5x a plain round
+    assert plan.round_width == 4 and plan.prefill_budget == 50
+    assert [(c.seq.request_id, len(c.tokens)) for c in plan.prefill] == [("long", 50)]
+    plan.prefill[0].seq.num_prefilled += 50
+    costs.observe(2, 4, 4.0)  # measured 4.0 against the plain round's seed plus the overhead seen (0.1 x 1.5)
+    plan = scheduler.schedule()
+    assert plan.prefill_budget == int(20 * 4.0 / 1.15) and [len(c.tokens) for c in plan.prefill] == [69]
+    plan.prefill[0].seq.num_prefilled += 69
+    with scheduler.pinned(width=1):  # a plain round: the step budget
+        assert scheduler.schedule().prefill_budget == 20
+    assert scheduler.prefill_budget(0, 1) == 100  # nothing decodes: the idle budget
+    assert costs.cost_ratio(3, 4) == pytest.approx(9.15 / 1.15)  # 3 lanes: bucket 4
+    assert scheduler.prefill_budget(3, 4) == 100  # at most the idle budget
+    costs.forget()
+    assert costs.cost_ratio(2, 4) == 2.5 and costs.measured == {}
+    costs.observe(2, 1, 10.0)  # a speculative round cheaper than a plain one: never below the step budget
+    assert costs.cost_ratio(2, 4) < 1 and scheduler.prefill_budget(2, 4) == 20
+    assert scheduler_with(None)[0].schedule().prefill_budget == 20
+    off, _ = scheduler_with(costs, scale_prefill_budget=False)
+    assert not off.config.scale_prefill_budget and off.schedule().prefill_budget == 20
+    assert not EngineConfig(scale_prefill_budget=True).resolve(torch.device("cpu"), None).scale_prefill_budget
+    assert EngineConfig(scale_prefill_budget=None).resolve(torch.device("cpu"), 4).round_prefill_tokens == 2048
+    assert EngineConfig().resolve(torch.device("cpu"), None).round_prefill_tokens == 512
+    assert not EngineConfig(tensor_parallel_size=2).resolve(torch.device("cpu"), 4).scale_prefill_budget
+    with pytest.raises(DeltaflashError, match="scale_prefill_budget"):
+        EngineConfig(tensor_parallel_size=2, scale_prefill_budget=True).resolve(torch.device("cpu"), 4)
+
+
 def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):
     """Two streams decode (with a drafter, and plainly) while a 150-token prompt arrives under a 24-token
-    step budget: it is prefilled in chunks over several steps, every running stream gets its round in every
-    one of them, and all outputs equal each prompt's solo output."""
+    step budget (scaled by the speculative rounds' cost up to 48): it is prefilled in chunks within each
+    step's budget over several steps, every running stream gets its round in every one of them, and all
+    outputs equal each prompt's solo output."""
     target_dir, draft_dir = pairs["dflash"]
     plist = prompts(96, [5, 8, 150], seed=9)
     solo = [c.token_ids for p in plist for c in engine_for(target_dir, max_slots=1).generate([p], GREEDY)[0]]
     for draft in (draft_dir, None):
-        engine = engine_for(target_dir, draft, max_slots=3, max_num_batched_tokens=24)
+        engine = engine_for(target_dir, draft, max_slots=3, max_num_batched_tokens=24, idle_prefill_tokens=48)
+        assert engine.config.scale_prefill_budget == (draft is not None)
+        budgets = []
         ids = [engine.add_request(p, GREEDY) for p in plist[:2]]
         out = defaultdict(list)
         while any(len(out[i]) < 3 for i in ids):  # both streams past prefill and decoding
@@ -146,14 +198,16 @@ def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):
             live = [i for i in ids[:2] if engine.scheduler.running.get(i) is not None]
             long_prefilling = any(s.request_id == ids[2] and s.status is not Status.DECODING
                                   for s in [*engine.scheduler.waiting, *engine.scheduler.running.values()])
-            events = engine.step()
+            events = engine.step(on_report=lambda r: budgets.append((r.prefill_tokens, r.prefill_budget, r.decode_lanes)))
             for ev in events:
                 out[ev.request_id] += ev.token_ids
             if long_prefilling:
                 chunks += 1
                 got = {ev.request_id for ev in events if ev.token_ids}
                 assert set(live) <= got, f"a running stream got no round while the long prompt prefilled: {got}"
-        assert chunks >= 150 // 24
+        assert chunks >= 150 // 48
+        for tokens, budget, lanes in budgets:
+            assert tokens <= budget and (24 <= budget <= 48 if lanes else budget == 48)
         assert [out[i] for i in ids] == solo
 
 

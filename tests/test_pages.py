@@ -226,3 +226,5 @@ def test_metrics_count_preemptions_and_page_usage(pair):
     assert values["deltaflash_preemptions_total"] == engine.stats["preemptions"] > 0
     assert max(usage) > 20 and values["deltaflash_kv_cache_usage_ratio"] == usage[-1] / 26  # the last step's
     assert values["deltaflash_prefill_tokens_per_step_sum"] == engine.stats["prefill_tokens"]
+    assert values["deltaflash_prefill_budget_tokens_count"] == values["deltaflash_prefill_tokens_per_step_count"] > 0
+    assert values["deltaflash_prefill_budget_tokens_sum"] >= engine.stats["prefill_tokens"]

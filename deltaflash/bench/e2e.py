@@ -89,7 +89,8 @@ def _demo_workload(args, max_slots: int) -> Workload:
     config = EngineConfig(max_slots=max_slots, block_size=args.block_size, tree_budget=args.tree_budget,
                           tree_top_k=args.tree_top_k, tree_max_lanes=args.tree_max_lanes, speculation=args.speculation,
                           batch_invariant=args.batch_invariant,
-                          max_model_len=args.max_model_len, round_graphs=args.round_graphs)  # the serve defaults otherwise
+                          max_model_len=args.max_model_len, round_graphs=args.round_graphs,
+                          scale_prefill_budget=args.scale_prefill_budget)  # the serve defaults otherwise
 
     def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
         spec = mode == "spec"
@@ -124,7 +125,8 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     W = args.block_size or 16
     config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant,
-                          max_model_len=args.max_model_len)  # the serve defaults otherwise
+                          max_model_len=args.max_model_len,
+                          scale_prefill_budget=args.scale_prefill_budget)  # the serve defaults otherwise
     spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                       tree_max_lanes=args.tree_max_lanes, speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
@@ -225,6 +227,12 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     decode_only = [s for s, r in steps if r.decode_lanes and not r.prefill_tokens]
     out |= {"steps": len(steps), "decode_step_p50_ms": 1e3 * percentile(decode_only, 50) if decode_only else None}
     out["by_round_width"] = by_round_width(steps)
+    prefilling = [(s, r) for s, r in steps if r.prefill_tokens]  # the scheduler's prefill budget at work
+    out["prefill_steps"] = {"steps": len(prefilling),
+                            "step_p50_ms": 1e3 * percentile([s for s, _ in prefilling], 50) if prefilling else None,
+                            "tokens_mean": sum(r.prefill_tokens for _, r in prefilling) / len(prefilling) if prefilling else None,
+                            "budget_mean": sum(r.prefill_budget for _, r in prefilling) / len(prefilling) if prefilling else None,
+                            "beside_a_round": sum(1 for _, r in prefilling if r.decode_lanes)}
     return out
 
 
@@ -426,6 +434,9 @@ def register(sub) -> None:
     p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="demo workload: greedy rounds replay one CUDA graph each (EngineConfig.round_graphs; "
                         "default: the serve default, on with CUDA graphs)")
+    p.add_argument("--scale-prefill-budget", action=argparse.BooleanOptionalAction, default=None,
+                   help="beside a speculative round, scale the prefill budget by the round's cost (default: the "
+                        "serve default, on for speculative engines)")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

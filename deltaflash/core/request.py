@@ -227,6 +227,7 @@ class StepReport:
     prefill_graphed: bool = False  # its prefill replayed a prefill CUDA graph (else it ran eagerly)
     device_idle_s: float | None = None  # CUDA: the device's wait for the host since the previous step (None: not measured)
     tree_budget: int = 0  # the round verified trees of this many nodes (0: chains, or no speculation)
+    prefill_budget: int = 0  # the most prompt tokens the step could prefill (the scheduler's budget)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,13 @@ class EngineConfig:
     idle_prefill_tokens: prompt tokens a step prefills when no sequence is decoding (no stream to stall:
         a prompt arriving at an idle engine goes in chunks of this size, fewer weight reads and better
         shaped GEMMs than the budget's; never less than max_num_batched_tokens).
+    scale_prefill_budget: beside a speculative round, the step's prefill budget is max_num_batched_tokens
+        times the round's measured cost over a plain round's at its lane bucket (speculative/policy.py:
+        RoundCosts; at most idle_prefill_tokens). A waiting prompt then takes the same share of each
+        step as beside plain decoding: the running streams' stall relative to their round is what it is
+        without speculation, and prompts go in at the same wall-clock rate (with the fixed budget a wave
+        of prompts beside 64 lanes' 27 ms rounds of the 9B shape went in at under half target-only's
+        rate). None: on for speculative engines of one rank (ranks must plan alike; timings differ).
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
@@ -92,6 +99,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 512
     idle_prefill_tokens: int = 2048
+    scale_prefill_budget: bool | None = None
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -171,11 +179,22 @@ class EngineConfig:
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
         tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
+        if self.scale_prefill_budget and self.tensor_parallel_size > 1:
+            raise DeltaflashError("scale_prefill_budget does not run under tensor parallelism (the budget would come "
+                                  "from each rank's own timings)")
+        scale = block > 1 and self.tensor_parallel_size == 1 if self.scale_prefill_budget is None \
+            else self.scale_prefill_budget and block > 1
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
+                                   scale_prefill_budget=scale,
                                    round_graphs=round_graphs, tree_max_lanes=tree_max_lanes,
                                    block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len,
                                    idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))
+
+    @property
+    def round_prefill_tokens(self) -> int:
+        """The most prompt tokens a step prefills beside a round (the prefill graphs cover them)."""
+        return self.idle_prefill_tokens if self.scale_prefill_budget else self.max_num_batched_tokens
 
     @property
     def adaptive(self) -> bool:

@@ -54,15 +54,17 @@ class Engine:
         self._busy = False  # the engine had work when its last step ended (the device's wait is then the host's doing)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
-        if self.config.adaptive:  # after capture: the calibration times what rounds will replay
+        if self.config.adaptive or self.config.scale_prefill_budget:  # after capture: the calibration times
+            self.scheduler.costs = self.runner.calibrate()                 # what rounds will replay
+        if self.config.adaptive:
             self.scheduler.policy = WidthPolicy(self.config.widths, buckets_for(self.config.max_slots),
-                                                self.runner.calibrate())
+                                                self.scheduler.costs)
         if self.config.costed_trees:
             self.scheduler.tree_choice = TreeChoice(buckets_for(self.config.max_slots))
         if self.device.type == "cuda":
             self._warm_requests()
-            for choice in (self.scheduler.policy, self.scheduler.tree_choice):  # what the warm requests taught
-                if choice is not None:  # them is not about clients
+            for choice in (self.scheduler.policy, self.scheduler.tree_choice, self.scheduler.costs):
+                if choice is not None:  # what the warm requests taught them is not about clients
                     choice.forget()
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
@@ -218,7 +220,8 @@ class Engine:
             on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
                                  len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted),
-                                 result.prefill_graphed, result.device_idle_s, plan.tree_budget))
+                                 result.prefill_graphed, result.device_idle_s, plan.tree_budget,
+                                 plan.prefill_budget))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
@@ -234,9 +237,9 @@ class Engine:
                     self._emit(seq, *next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
-        out, policy, choice = result.round, self.scheduler.policy, self.scheduler.tree_choice
-        if policy is not None and plan.decode:
-            policy.costs.observe(policy.bucket(len(plan.decode)), plan.round_width, result.decode_s)
+        out, policy, choice, costs = result.round, self.scheduler.policy, self.scheduler.tree_choice, self.scheduler.costs
+        if costs is not None and plan.decode:
+            costs.observe(costs.bucket(len(plan.decode)), plan.round_width, result.decode_s)
         if choice is not None and plan.round_width > 1:
             choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,
                            [n + 1 for n, w in zip(out.accepted, plan.widths) if w > 1], clean=not plan.prefill)

@@ -189,7 +189,7 @@ class ModelRunner:
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
-            for T, lanes in prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len,
+            for T, lanes in prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
                                            config.idle_prefill_tokens):
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
@@ -233,7 +233,7 @@ class ModelRunner:
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
         rows = config.idle_prefill_tokens
         if config.prefill_graphs:
-            rows = max(rows, *(T * n for T, n in prefill_shapes(config.max_num_batched_tokens, config.max_slots,
+            rows = max(rows, *(T * n for T, n in prefill_shapes(config.round_prefill_tokens, config.max_slots,
                                                                config.max_model_len, rows)))
         chunk = min(rows, config.max_model_len)
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
@@ -298,7 +298,7 @@ class ModelRunner:
         with its commit) at every lane bucket and width, timed on padding lanes (which commit nothing;
         the last of `reps` runs): the seed of the cost
         model that load-adaptive speculation uses (speculative/policy.py)."""
-        costs = RoundCosts()
+        costs = RoundCosts(buckets=buckets_for(self.config.max_slots))
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
         for bucket in buckets_for(self.config.max_slots):
             slot_ids = torch.full((bucket,), -1, dtype=torch.long, device=self.device)

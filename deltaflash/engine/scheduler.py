@@ -6,8 +6,10 @@ preempting the most recently admitted sequences while pages run short; admits wa
 come, first served) into free slots when their prompt's pages are free; and spends the prefill budget on
 prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per step, beside the round
 (the round does not draw on it: under load a speculative round is lanes x width rows, and taking those
-from the prompts' share would leave free slots waiting on prefill); `idle_prefill_tokens` when nothing
-decodes (a prompt arriving at an idle engine stalls no stream, and larger chunks prefill it faster). A
+from the prompts' share would leave free slots waiting on prefill), scaled by the round's measured cost
+over a plain round's when `scale_prefill_budget` (a costlier round, a proportionate prefill share: see
+EngineConfig); `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
+stream, and larger chunks prefill it faster). A
 preempted sequence gives back its slot and pages and waits at the head of the queue; when readmitted,
 its prompt and generated tokens are prefilled again (nothing is emitted twice). The runner executes the
 resulting `StepPlan`; the engine applies the results.
@@ -24,7 +26,7 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.speculative.policy import TreeChoice, WidthPolicy
+from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class StepPlan:
     prefill: prompt chunks, in order. decode: the round's lanes; widths[i]: 1 + the drafts lane i may
     accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
     the tree's nodes: each has a CUDA graph); tree_budget: the round verifies trees of that many nodes
-    (0: chains).
+    (0: chains). prefill_budget: the most prompt tokens the step could prefill (Scheduler.prefill_budget).
     """
 
     admitted: tuple[Sequence, ...] = ()
@@ -75,6 +77,7 @@ class StepPlan:
     widths: tuple[int, ...] = ()
     round_width: int = 1
     tree_budget: int = 0
+    prefill_budget: int = 0
 
     @property
     def runs_anything(self) -> bool:
@@ -83,11 +86,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, policy: WidthPolicy | None = None,
-                 tree_choice: TreeChoice | None = None):
+                 tree_choice: TreeChoice | None = None, costs: RoundCosts | None = None):
         """policy: chooses each round's width (load-adaptive speculation); None: the block, always.
         tree_choice: a tree engine's choice of trees or chains per round (config.costed_trees); None: the
-        fixed rule (config.trees_for)."""
-        self.config, self.policy, self.tree_choice = config, policy, tree_choice
+        fixed rule (config.trees_for). costs: the rounds' costs, which scale the prefill budget beside a
+        speculative round (config.scale_prefill_budget); None: the budget is not scaled."""
+        self.config, self.policy, self.tree_choice, self.costs = config, policy, tree_choice, costs
         self.pin = Pin()  # nothing pinned: the policy and the tree choice decide (see pinned)
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
@@ -144,10 +148,24 @@ class Scheduler:
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
-        prefill = tuple(self._prefill_chunks(decoding=bool(decode)))
+        budget = self.prefill_budget(len(decode), round_width)
+        prefill = tuple(self._prefill_chunks(budget))
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
-                        released=released, pages=tuple(grants), prefill=prefill,
-                        decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget)
+                        released=released, pages=tuple(grants), prefill=prefill, decode=tuple(decode),
+                        widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
+
+    def prefill_budget(self, lanes: int, round_width: int) -> int:
+        """Prompt tokens a step may prefill beside a round of `lanes` lanes x `round_width` rows: the idle
+        budget with no lane; beside a speculative round with costs to go by (config.scale_prefill_budget),
+        the step budget times the round's cost over a plain round's, between the step budget and
+        config.round_prefill_tokens; else the step budget."""
+        config = self.config
+        if not lanes:
+            return config.idle_prefill_tokens
+        if round_width <= 1 or self.costs is None or not config.scale_prefill_budget:
+            return config.max_num_batched_tokens
+        scaled = int(config.max_num_batched_tokens * self.costs.cost_ratio(lanes, round_width))
+        return max(config.max_num_batched_tokens, min(scaled, config.round_prefill_tokens))
 
     def width(self, seq: Sequence) -> int:
         """Most rows the sequence may verify this round: the block, or fewer when fewer tokens are left."""
@@ -226,11 +244,9 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _prefill_chunks(self, decoding: bool) -> list[PrefillChunk]:
-        """Prompt chunks, oldest prompt first: the budget's tokens beside a round, the idle budget's when
-        nothing decodes (no stream waits on the step)."""
-        config, chunks = self.config, []
-        budget = config.max_num_batched_tokens if decoding else config.idle_prefill_tokens
+    def _prefill_chunks(self, budget: int) -> list[PrefillChunk]:
+        """Prompt chunks of at most `budget` tokens in all, oldest prompt first."""
+        chunks = []
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
                 continue

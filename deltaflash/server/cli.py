@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from deltaflash.engine.args import add_engine_args, check_engine_flags
@@ -17,6 +18,10 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prompt tokens one step prefills, in chunks, beside every running lane's round (which "
                         "always runs): a prompt arriving stalls the running streams by at most this much prefill")
+    p.add_argument("--scale-prefill-budget", action=argparse.BooleanOptionalAction, default=None,
+                   help="beside a speculative round, scale --max-num-batched-tokens by the round's measured cost "
+                        "over a plain round's (up to --idle-prefill-tokens): prompts keep the share of each step "
+                        "they get beside plain decoding (default: on for speculative engines of one rank)")
     p.add_argument("--idle-prefill-tokens", type=int, default=2048,
                    help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
                         "chunks, faster time to first token); at least --max-num-batched-tokens")

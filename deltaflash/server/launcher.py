@@ -87,7 +87,8 @@ def _serve(args, sock, port: int, engine, t0: float) -> int:
 def build_engine(args, tensor_parallel=None) -> Engine:
     return engine_from_args(args, max_slots=args.max_concurrency, progress=tensor_parallel is None or
                             tensor_parallel.rank == 0, max_num_batched_tokens=args.max_num_batched_tokens,
-                            idle_prefill_tokens=args.idle_prefill_tokens, tensor_parallel=tensor_parallel)
+                            idle_prefill_tokens=args.idle_prefill_tokens,
+                            scale_prefill_budget=args.scale_prefill_budget, tensor_parallel=tensor_parallel)
 
 
 class DrainingServer(uvicorn.Server):

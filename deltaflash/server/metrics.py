@@ -15,6 +15,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _IDLE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+_TOKEN_BUCKETS = (1, 16, 64, 128, 256, 512, 768, 1024, 1536, 2048, 4096, 8192)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 # outcomes of `deltaflash_requests_total`
@@ -54,10 +55,14 @@ class Metrics:
                               ["kind"], registry=r)
         self.prefill_tokens_per_step = Histogram("deltaflash_prefill_tokens_per_step",
                                                  "Prompt tokens prefilled in a step that prefilled (at most "
-                                                 "--max-num-batched-tokens beside a round, "
-                                                 "--idle-prefill-tokens with nothing decoding)",
-                                                 buckets=(1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
-                                                 registry=r)
+                                                 "its budget: deltaflash_prefill_budget_tokens)",
+                                                 buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefill_budget = Histogram("deltaflash_prefill_budget_tokens",
+                                        "Prompt tokens a step that prefilled could take: --max-num-batched-tokens "
+                                        "beside a round (scaled by a speculative round's cost over a plain one's, "
+                                        "up to --idle-prefill-tokens, unless --no-scale-prefill-budget), "
+                                        "--idle-prefill-tokens with nothing decoding", buckets=_TOKEN_BUCKETS,
+                                        registry=r)
         self.prefill_steps = Counter("deltaflash_prefill_steps", "Steps that prefilled, by how: 'graph' replayed a "
                                      "prefill CUDA graph, 'eager' fit none (or padding would double it)", ["path"],
                                      registry=r)
@@ -84,6 +89,7 @@ class Metrics:
         if report.prefill_tokens:
             self.phase_seconds.labels(phase="prefill").observe(report.prefill_s)
             self.prefill_tokens_per_step.observe(report.prefill_tokens)
+            self.prefill_budget.observe(report.prefill_budget)
             self.prefill_steps.labels(path="graph" if report.prefill_graphed else "eager").inc()
         if report.decode_lanes:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)

@@ -93,6 +93,7 @@ class RoundCosts:
     seeds: dict[tuple[int, int], float] = field(default_factory=dict)
     measured: dict[tuple[int, int], float] = field(default_factory=dict)
     overhead: float = 0.0
+    buckets: tuple[int, ...] = ()  # the lane buckets (the rounds' graphs): cost_ratio's lanes go to the next one up
 
     def cost(self, bucket: int, width: int) -> float:
         key = (bucket, width)
@@ -107,6 +108,19 @@ class RoundCosts:
             return float(bucket * width)
         (b, w), s = min(self.seeds.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - bucket * width))
         return s * (bucket * width) / (b * w)
+
+    def bucket(self, lanes: int) -> int:
+        return next((b for b in self.buckets if b >= lanes), lanes)
+
+    def cost_ratio(self, lanes: int, width: int) -> float:
+        """A round of `lanes` lanes at `width` rows over one at width 1 (the same lane bucket)."""
+        bucket = self.bucket(lanes)
+        return self.cost(bucket, width) / max(self.cost(bucket, 1), 1e-12)
+
+    def forget(self) -> None:
+        """Back to the calibration alone."""
+        self.measured.clear()
+        self.overhead = 0.0
 
     def observe(self, bucket: int, width: int, seconds: float) -> None:
         key = (bucket, width)
@@ -132,8 +146,7 @@ class WidthPolicy:
     def forget(self) -> None:
         """Back to the calibration alone: no acceptance record, no measured rounds."""
         self.tries, self.hits = [], []
-        self.costs.measured.clear()
-        self.costs.overhead = 0.0
+        self.costs.forget()
 
     def priors(self) -> list[float]:
         """The engine-wide acceptance rate of each draft position (FIRST_RATE worth one round as its prior)."""

@@ -40,7 +40,7 @@ class Replays:
         self.fresh: list[bool] = []  # whether each was a first chunk's graph (runner.fresh_prefill_graphs)
         if DEVICE == "cpu":
             config = runner.config
-            shapes = prefill_shapes(config.max_num_batched_tokens, config.max_slots, config.max_model_len,
+            shapes = prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
                                     config.idle_prefill_tokens)
             runner.prefill_graphs = {T: _Eager(runner._prefill_rows, lanes) for T, lanes in shapes}
             if runner.kernels.prefill_attention is not None:  # what the runner registers on CUDA
@@ -162,7 +162,8 @@ def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
     """Nothing decoding: a 200-token prompt goes in one step of the idle budget, replayed from the
     single-lane 256-row graph; a second prompt arriving while it decodes goes in budget-sized chunks.
     Outputs equal the eager engine's."""
-    config = dict(max_slots=4, max_num_batched_tokens=64, idle_prefill_tokens=256)
+    config = dict(max_slots=4, max_num_batched_tokens=64, idle_prefill_tokens=256,
+                  scale_prefill_budget=False)  # budget-sized chunks beside a round
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     batch = prompts(96, [200, 150], seed=8)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
@@ -181,7 +182,8 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
     its shape; a prompt arriving while it decodes goes in budget-sized chunks through the plain graphs
     (its first chunk is below that shape). Outputs equal the eager engine's."""
     T = FRESH_PREFILL_MIN_ROWS
-    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 64)
+    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 64,
+                  scale_prefill_budget=False)  # budget-sized chunks beside a round
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     batch = prompts(96, [T - 40, 150], seed=9)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
@@ -203,7 +205,8 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     from deltaflash.engine.graphs import EAGER_DENSE_MIN_CONTEXT
 
     T = EAGER_DENSE_MIN_CONTEXT
-    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 160)
+    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 160,
+                  scale_prefill_budget=False)  # budget-sized chunks beside a round
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     (prompt,) = prompts(96, [T + 100], seed=10)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)

@@ -238,8 +238,8 @@ class Engine:
         if plan.decode:
             self.stats["decode_rounds"] += 1
         out, policy, choice, costs = result.round, self.scheduler.policy, self.scheduler.tree_choice, self.scheduler.costs
-        if costs is not None and plan.decode:
-            costs.observe(costs.bucket(len(plan.decode)), plan.round_width, result.decode_s)
+        if costs is not None and plan.decode and not plan.prefill:  # (a step's prefill runs on the device before
+            costs.observe(costs.bucket(len(plan.decode)), plan.round_width, result.decode_s)  # its round: in decode_s)
         if choice is not None and plan.round_width > 1:
             choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,
                            [n + 1 for n, w in zip(out.accepted, plan.widths) if w > 1], clean=not plan.prefill)

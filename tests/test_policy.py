@@ -2,12 +2,14 @@
 never accepted stops drafting and probes again, and greedy output is the same at every width mix; a tree
 engine's rounds take trees or chains by their measured tokens per second (TreeChoice)."""
 
+import math
+
 import pytest
 
 from deltaflash.core.request import SamplingParams, Sequence
 from deltaflash.speculative.policy import (
-    MIN_TRIES, PROBE_WIDTH, RoundCosts, TreeChoice, WidthPolicy, acceptance_rate, allowed_widths, expected_tokens,
-    observe_round,
+    FIRST_RATE, MIN_TRIES, PROBE_WIDTH, RoundCosts, TreeChoice, WidthPolicy, acceptance_rate, allowed_widths,
+    expected_curve, expected_tokens, observe_round,
 )
 from deltaflash.speculative.sources import ScriptedSource
 from tests.spec_pairs import engine_for, make_pair, prompts
@@ -38,6 +40,12 @@ def test_allowed_widths_and_expected_tokens():
     good, bad = lane(0.9), lane(0.05)
     assert acceptance_rate(good, 1) > 0.8 and acceptance_rate(bad, 1, prior=0.1) < 0.15
     assert expected_tokens(good, 1) == 1.0 and expected_tokens(good, 16) > 4 > 2 > expected_tokens(bad, 16)
+    priors = [0.5, 0.9, 0.2]  # the one-pass curve: each width's bonus token plus the product of its draft rates
+    for seq in (good, bad, lane()):
+        by_product = [1 + sum(math.prod(acceptance_rate(seq, j, priors[j - 1] if j <= 3 else FIRST_RATE)
+                                        for j in range(1, i + 1)) for i in range(1, w)) for w in range(1, 17)]
+        assert expected_curve(seq, 16, priors) == pytest.approx(by_product, rel=1e-12)
+        assert [expected_tokens(seq, w, priors) for w in range(1, 17)] == expected_curve(seq, 16, priors)
 
 
 def test_width_shrinks_as_load_grows():

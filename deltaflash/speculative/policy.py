@@ -58,11 +58,22 @@ def acceptance_rate(seq: Sequence, j: int, prior: float = FIRST_RATE) -> float:
 def expected_tokens(seq: Sequence, width: int, priors: Seqs[float] = ()) -> float:
     """Tokens the lane emits in a round of `width` rows: the bonus token plus each draft reached
     (priors[j-1]: the engine-wide rate of draft j; FIRST_RATE where not given)."""
-    total, reach = 1.0, 1.0
-    for j in range(1, width):
-        reach *= acceptance_rate(seq, j, priors[j - 1] if j <= len(priors) else FIRST_RATE)
+    return expected_curve(seq, width, priors)[-1]
+
+
+def expected_curve(seq: Sequence, rows: int, priors: Seqs[float] = ()) -> list[float]:
+    """expected_tokens(seq, w, priors) for w = 1..rows, in one pass (the policy weighs every width of
+    every lane each round: at 64 lanes one pass per lane, not one per width, is most of its host time)."""
+    hits, tries = seq.draft_hits, seq.draft_tries
+    n_hits, n_tries, n_priors = len(hits), len(tries), len(priors)
+    curve, total, reach = [1.0], 1.0, 1.0
+    for j in range(1, rows):  # acceptance_rate(seq, j, prior), inlined
+        prior = priors[j - 1] if j <= n_priors else FIRST_RATE
+        reach *= ((hits[j - 1] if j <= n_hits else 0.0) + PRIOR_WEIGHT * prior) / \
+            ((tries[j - 1] if j <= n_tries else 0.0) + PRIOR_WEIGHT)
         total += reach
-    return total
+        curve.append(total)
+    return curve
 
 
 def observe_round(seq: Sequence, allowed: int, accepted: int) -> None:
@@ -168,10 +179,13 @@ class WidthPolicy:
         caps = [min(cap, PROBE_WIDTH) if probe else cap for cap, probe in zip(caps, probing)]
         drafting = [cap > 1 and (probe or self._drafts(seq, priors)) for seq, cap, probe in zip(seqs, caps, probing)]
         bucket = self.bucket(len(seqs))
+        gains = [0.0] * len(self.widths)  # expected tokens of the round at each width, summed in lane order
+        for seq, cap, d, probe in zip(seqs, caps, drafting, probing):
+            curve = (_OPTIMISTIC[:cap] if probe else expected_curve(seq, cap, priors)) if d else None
+            for i, w in enumerate(self.widths):
+                gains[i] += curve[min(w, cap) - 1] if curve is not None else 1.0
         best, best_value = 1, -1.0
-        for w in self.widths:
-            gain = sum((_optimistic_tokens(min(w, cap)) if probe else expected_tokens(seq, min(w, cap), priors))
-                       if d else 1.0 for seq, cap, d, probe in zip(seqs, caps, drafting, probing))
+        for w, gain in zip(self.widths, gains):
             value = gain / max(self.costs.cost(bucket, w), 1e-9)
             if value > best_value * (1 + 1e-9):
                 best, best_value = w, value
@@ -188,6 +202,9 @@ class WidthPolicy:
 def _optimistic_tokens(width: int) -> float:
     """Expected tokens of a probing lane: every draft at FIRST_RATE."""
     return sum(FIRST_RATE ** i for i in range(width))
+
+
+_OPTIMISTIC = [_optimistic_tokens(w) for w in range(1, PROBE_WIDTH + 1)]  # a probe's caps are at most PROBE_WIDTH
 
 
 TREE_EXPLORE_EVERY = 32  # a bucket's rounds per round of the mode that lost there (keeps its figures current)

@@ -88,6 +88,26 @@ def test_copying_and_random_drafts_side_by_side(pairs, name, block_size):
     assert {1, block_size} <= seen and len(seen) >= block_size - 1, f"accepted lengths seen: {sorted(seen)}"
 
 
+def test_scripted_drafts_follow_the_script_with_the_asked_corruption():
+    """The scripted source drafts each lane's next W-1 script tokens (random past the script's end, zeros on
+    padding lanes); with corruption p, each token is replaced independently with probability p (drawn as
+    the gaps between replaced tokens): the replaced fraction over many rounds is p, and p = 1 replaces all."""
+    from deltaflash.core.request import Sequence
+
+    seqs = [Sequence(str(i), [i] * 5, SamplingParams(max_new_tokens=64), frozenset(), 0) for i in range(3)]
+    scripts = {(i,) * 5: list(range(100 * i, 100 * i + 40)) for i in range(2)}  # lane 2 has no script
+    for seq, done in zip(seqs, (3, 35, 3)):
+        seq.output_ids = [7] * done
+    source = ScriptedSource(scripts, 8, 50_000, corrupt=0.0, seed=3)
+    rows = source._script_rows(seqs, 4, corrupt=0.0)
+    assert rows[0] == list(range(3, 10)) and rows[1][:5] == list(range(135, 140)) and rows[3] == [0] * 7
+    assert len(rows[1]) == len(rows[2]) == 7
+    for p in (0.1, 0.5, 1.0):
+        replaced = sum(a != b for _ in range(400) for a, b in zip(source._script_rows(seqs[:1], 2, corrupt=p)[0],
+                                                                  range(3, 10)))
+        assert abs(replaced / (400 * 7) - p) < 0.03, (p, replaced)
+
+
 def test_block_size_override_with_real_drafter(pairs):
     target_dir, draft_dir = pairs["dflash"]
     plist = prompts(96, [5, 12], seed=9)

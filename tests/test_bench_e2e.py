@@ -69,6 +69,10 @@ def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):
     spec = [p for p in result["points"] if p["mode"] == "spec"]
     assert all(p["mean_accepted_length"] > 1 and p["mismatched_sequences"] == 0 for p in spec)
     assert spec[0]["mean_accepted_length"] > 3  # W 4, every draft the target's own greedy token
+    for point in result["points"]:  # every prompt prefilled, within each step's budget
+        pre = point["prefill_steps"]
+        assert pre["steps"] >= 1 and pre["tokens_mean"] * pre["steps"] == pytest.approx(6 * point["requests"])
+        assert 0 < pre["tokens_mean"] <= pre["budget_mean"] and pre["beside_a_round"] <= pre["steps"]
     limit = result["figures"]["spec_c1_over_tau_weight_read_limit"]
     assert limit["value"] > 0 and limit["weight_read_ms"] > 0
 

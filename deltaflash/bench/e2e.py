@@ -228,11 +228,14 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     out |= {"steps": len(steps), "decode_step_p50_ms": 1e3 * percentile(decode_only, 50) if decode_only else None}
     out["by_round_width"] = by_round_width(steps)
     prefilling = [(s, r) for s, r in steps if r.prefill_tokens]  # the scheduler's prefill budget at work
-    out["prefill_steps"] = {"steps": len(prefilling),
-                            "step_p50_ms": 1e3 * percentile([s for s, _ in prefilling], 50) if prefilling else None,
-                            "tokens_mean": sum(r.prefill_tokens for _, r in prefilling) / len(prefilling) if prefilling else None,
-                            "budget_mean": sum(r.prefill_budget for _, r in prefilling) / len(prefilling) if prefilling else None,
-                            "beside_a_round": sum(1 for _, r in prefilling if r.decode_lanes)}
+    n = len(prefilling) or None  # (None: no step prefilled, no means)
+    out["prefill_steps"] = {"steps": len(prefilling), "beside_a_round": sum(1 for _, r in prefilling if r.decode_lanes),
+                            "step_p50_ms": 1e3 * percentile([s for s, _ in prefilling], 50) if n else None,
+                            "tokens_mean": sum(r.prefill_tokens for _, r in prefilling) / n if n else None,
+                            "budget_mean": sum(r.prefill_budget for _, r in prefilling) / n if n else None,
+                            # the rounds beside them: lanes and the widest lane's rows (what a step pays beside its prefill)
+                            "lanes_mean": sum(r.decode_lanes for _, r in prefilling) / n if n else None,
+                            "round_rows_mean": sum(max(r.widths, default=0) for _, r in prefilling) / n if n else None}
     return out
 
 

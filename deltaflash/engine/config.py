@@ -49,9 +49,9 @@ class EngineConfig:
         times the round's measured cost over a plain round's at its lane bucket (speculative/policy.py:
         RoundCosts; at most idle_prefill_tokens). A waiting prompt then takes the same share of each
         step as beside plain decoding: the running streams' stall relative to their round is what it is
-        without speculation, and prompts go in at the same wall-clock rate (with the fixed budget a wave
-        of prompts beside 64 lanes' 27 ms rounds of the 9B shape went in at under half target-only's
-        rate). None: on for speculative engines of one rank (ranks must plan alike; timings differ).
+        without speculation, and prompts go in at the same wall-clock rate (H200, 9B shape and demo pair:
+        speculative TTFT p50 51 against 70 ms at 16 clients, 73 against 89 ms at 64; docs/benchmarks.md).
+        None: on for speculative engines of one rank (ranks must plan alike; their timings differ).
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.

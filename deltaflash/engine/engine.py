@@ -54,8 +54,8 @@ class Engine:
         self._busy = False  # the engine had work when its last step ended (the device's wait is then the host's doing)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
-        if self.config.adaptive or self.config.scale_prefill_budget:  # after capture: the calibration times
-            self.scheduler.costs = self.runner.calibrate()                 # what rounds will replay
+        if self.config.adaptive or self.config.scale_prefill_budget:
+            self.scheduler.costs = self.runner.calibrate()  # after capture: it times what rounds will replay
         if self.config.adaptive:
             self.scheduler.policy = WidthPolicy(self.config.widths, buckets_for(self.config.max_slots),
                                                 self.scheduler.costs)
@@ -237,9 +237,10 @@ class Engine:
                     self._emit(seq, *next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
-        out, policy, choice, costs = result.round, self.scheduler.policy, self.scheduler.tree_choice, self.scheduler.costs
-        if costs is not None and plan.decode and not plan.prefill:  # (a step's prefill runs on the device before
-            costs.observe(costs.bucket(len(plan.decode)), plan.round_width, result.decode_s)  # its round: in decode_s)
+        out, scheduler = result.round, self.scheduler
+        policy, choice, costs = scheduler.policy, scheduler.tree_choice, scheduler.costs
+        if costs is not None and plan.decode and not plan.prefill:  # a step's prefill runs on the device before
+            costs.observe(costs.bucket(len(plan.decode)), plan.round_width, result.decode_s)  # its round (decode_s)
         if choice is not None and plan.round_width > 1:
             choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,
                            [n + 1 for n, w in zip(out.accepted, plan.widths) if w > 1], clean=not plan.prefill)

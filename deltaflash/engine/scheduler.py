@@ -9,10 +9,9 @@ prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per 
 from the prompts' share would leave free slots waiting on prefill), scaled by the round's measured cost
 over a plain round's when `scale_prefill_budget` (a costlier round, a proportionate prefill share: see
 EngineConfig); `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
-stream, and larger chunks prefill it faster). A
-preempted sequence gives back its slot and pages and waits at the head of the queue; when readmitted,
-its prompt and generated tokens are prefilled again (nothing is emitted twice). The runner executes the
-resulting `StepPlan`; the engine applies the results.
+stream, and larger chunks prefill it faster). A preempted sequence gives back its slot and pages and
+waits at the head of the queue; when readmitted, its prompt and generated tokens are prefilled again
+(nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
 # Steps: tests spec target tune tunebuild tuneconv kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
-# longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale
+# longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
 # e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto); prefillscale (the scripted e2e
 # with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
-# PS_CONCURRENCY ("16 64"), SPECULATION.
+# PS_CONCURRENCY ("16 64"), SPECULATION. specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -95,6 +95,15 @@ for step in "$@"; do
                               --concurrency ${PS_CONCURRENCY:-16 64} --no-profile --speculation ${SPECULATION:-auto} \
                               --$scale-prefill-budget --out "$OUT/$work-$scale" --quiet
                       done ;;
+        specdefault) for s in fixed adaptive; do  # the CUDA default's choice: fixed chains or adaptive widths, side by side
+                         run specdefault 150 python3 -m deltaflash bench e2e --workload demo --prompts 16 \
+                             --concurrency 1 4 16 64 --no-profile --speculation $s --out "$OUT/demo-$s" --quiet
+                         for tau in ${TAUS:-6 3}; do
+                             run specdefault 200 python3 -m deltaflash bench e2e --workload scripted --tau $tau --prompts 16 \
+                                 --concurrency 1 4 16 64 --no-profile --speculation $s --out "$OUT/tau$tau-$s" --quiet
+                         done
+                         rm -f "$OUT"/demo-$s/*.png "$OUT"/tau*-$s/*.png  # the device returns ~8 files: JSON only
+                     done ;;
         e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2epair) for tree in . "${OLD_TREE:?e2epair: set OLD_TREE to an exported older tree}"; do  # same command, two trees
                      for len in "" 320; do  # HEAD also at the old tree's max_model_len (its prompts + 129)

@@ -67,25 +67,36 @@ def ptxas_report(kernel, tmp: Path) -> str:
     return ", ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads", out))
 
 
-def row_loop_ops(kernel, tmp: Path) -> tuple[int, Counter]:
-    """(instructions, opcode counts) between the target of the largest backward branch and the branch."""
+def sass(kernel, tmp: Path) -> tuple[list[str], dict[str, int]]:
+    """(the kernel's SASS instructions in order, each branch label's index among them), by nvdisasm."""
     cubin = tmp / "k.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    sass = subprocess.run([str(Path(get_ptxas(90).path).parent / "nvdisasm"), str(cubin)],
+    text = subprocess.run([str(Path(get_ptxas(90).path).parent / "nvdisasm"), str(cubin)],
                           capture_output=True, text=True, check=True).stdout
     instructions, labels = [], {}
-    for line in sass.splitlines():
+    for line in text.splitlines():
         if m := re.match(r"^\s*(\.L_x_\d+):", line):
             labels[m.group(1)] = len(instructions)
         elif m := re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
             instructions.append(m.group(1).strip())
+    return instructions, labels
+
+
+def opcode(instruction: str) -> str:
+    """The opcode of one SASS instruction, its predicate skipped (LDG.E.U16, FFMA, ...)."""
+    return instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]
+
+
+def row_loop_ops(kernel, tmp: Path) -> tuple[int, Counter]:
+    """(instructions, opcode counts) between the target of the largest backward branch and the branch."""
+    instructions, labels = sass(kernel, tmp)
     loop = (0, -1)
     for i, ins in enumerate(instructions):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
         if m and labels.get(m.group(1), i + 1) <= i and i - labels[m.group(1)] > loop[1] - loop[0]:
             loop = (labels[m.group(1)], i)
     body = instructions[loop[0]:loop[1] + 1]
-    return len(body), Counter((ins.split()[1] if ins.startswith("@") else ins.split()[0]).split(".")[0] for ins in body)
+    return len(body), Counter(opcode(ins).split(".")[0] for ins in body)
 
 
 if __name__ == "__main__":

@@ -78,10 +78,12 @@ def conv_extend_kernel(
     b_acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         src = o_t[:, None] - (K - 1) + j  # [BT, 1] input index (negative: the history)
-        b_xr = tl.load(p_rows + tl.maximum(src, 0).to(tl.int64) * stride_r_t, mask=m_c[None, :] & (src >= 0) & (src < T),
-                       other=0.0)
-        b_xh = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t, mask=m_c[None, :] & (src < 0), other=0.0)
-        b_x = tl.where(src >= 0, b_xr, b_xh.to(rows.dtype.element_ty))
+        b_x = tl.load(p_rows + tl.maximum(src, 0).to(tl.int64) * stride_r_t, mask=m_c[None, :] & (src >= 0) & (src < T),
+                      other=0.0)
+        if i_t * BT < K - 1:  # only the first row tile reaches back into the history (its [C, K-1] layout
+            b_xh = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t,  # loads a channel at a time)
+                           mask=m_c[None, :] & (src < 0), other=0.0)
+            b_x = tl.where(src >= 0, b_x, b_xh.to(rows.dtype.element_ty))
         b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
         b_acc = b_acc + b_w[None, :] * b_x.to(tl.float32)
     dtype = out.dtype.element_ty

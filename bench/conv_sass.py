@@ -2,13 +2,18 @@
 `conv_extend_kernel` compiled for sm_90 on this machine (no GPU needed: Triton's ptxas and nvdisasm),
 at the 9B shape's 2048-token prefill (q, k, v heads, K = 4 taps) with the JIT's alignment hints.
 
-Usage: python bench/conv_sass.py [32x4 16x4 ...]   (row tile x warps; the default tile is ROW_TILE x NUM_WARPS)
+Usage: python bench/conv_sass.py [32x4 16x4 ...] [--main-path]   (row tile x warps; default ROW_TILE x NUM_WARPS)
+--main-path compiles the kernel with the first row tile's branches (the history, the new history) taken out:
+what every other row tile runs. CONV_PY=path compiles that extend.py instead (an older one: `git show
+REV:deltaflash/ops/conv/extend.py > /tmp/extend.py`).
 
 A static count, not a GPU measurement: the H200's time per layer comes from `bench/tune_conv.py`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import tempfile
 from collections import Counter
@@ -21,7 +26,28 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).parent))
 from verify_registers import opcode, ptxas_report, sass  # noqa: E402
 
-from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE, conv_extend_kernel  # noqa: E402
+from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE  # noqa: E402
+
+FIRST_TILE_ONLY = ("if i_t * BT < K - 1:", "if i_t == 0:")  # the branches only row tile 0 takes
+
+
+def load_kernel(path: str, main_path: bool):
+    """conv_extend_kernel from an extend.py; main_path: with FIRST_TILE_ONLY's branches compiled out."""
+    source = Path(path).read_text()
+    if main_path:
+        for branch in FIRST_TILE_ONLY:
+            source = source.replace(branch, "if False:")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)  # (Triton reads a kernel's source from its file)
+    spec = importlib.util.spec_from_file_location("extend_under_test", f.name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.conv_extend_kernel
+
+
+conv_extend_kernel = load_kernel(os.environ.get("CONV_PY", str(Path(__file__).parents[1] / "deltaflash/ops/conv/extend.py")),
+                                 "--main-path" in sys.argv)
 
 POINTERS = dict(rows="*bf16", history="*bf16", weight="*bf16", n_rows="*i64", out="*bf16", k_out="*bf16",
                 v_out="*bf16", new_history="*bf16")
@@ -41,7 +67,8 @@ def compile_conv(row_tile: int, num_warps: int):
 
 
 if __name__ == "__main__":
-    configs = sys.argv[1:] or [f"{ROW_TILE}x{NUM_WARPS}", "16x4"]
+    configs = [a for a in sys.argv[1:] if not a.startswith("--")] or [f"{ROW_TILE}x{NUM_WARPS}", "16x4"]
+    print(f"{os.environ.get('CONV_PY', 'this tree')}{', the other row tiles path' if '--main-path' in sys.argv else ''}")
     for config in configs:
         row_tile, num_warps = map(int, config.split("x"))
         kernel = compile_conv(row_tile, num_warps)

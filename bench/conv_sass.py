@@ -3,9 +3,10 @@
 at the 9B shape's 2048-token prefill (q, k, v heads, K = 4 taps) with the JIT's alignment hints.
 
 Usage: python bench/conv_sass.py [32x4 16x4 ...] [--main-path]   (row tile x warps; default ROW_TILE x NUM_WARPS)
---main-path compiles the kernel with the first row tile's branches (the history, the new history) taken out:
-what every other row tile runs. CONV_PY=path compiles that extend.py instead (an older one: `git show
-REV:deltaflash/ops/conv/extend.py > /tmp/extend.py`).
+The kernel of rows K-1 on (FIRST=False: the whole grid but rows [0, K-1)), and of rows [0, K-1) with the history
+(FIRST=True, its own small launch). CONV_PY=path compiles that extend.py instead (an older one: `git show
+REV:deltaflash/ops/conv/extend.py > /tmp/extend.py`); for a kernel of one launch (before FIRST), --main-path takes
+the first row tile's branches (the history, the new history) out: what every other row tile ran.
 
 A static count, not a GPU measurement: the H200's time per layer comes from `bench/tune_conv.py`.
 """
@@ -55,8 +56,10 @@ UNIT = ("stride_r_c", "stride_h_t", "stride_w_t")  # strides of 1, which the JIT
 SHOWN = ("LDG", "STG", "LDS", "STS", "FFMA", "FMUL", "FADD", "MUFU", "FCHK", "CALL", "PRMT", "SEL", "BAR")
 
 
-def compile_conv(row_tile: int, num_warps: int):
+def compile_conv(row_tile: int, num_warps: int, first: bool = False):
     consts = dict(K=4, BT=row_tile, BC=128, BK=4, HEADS=True, REP=2, **{name: 1 for name in UNIT})
+    if "FIRST" in conv_extend_kernel.arg_names:
+        consts["FIRST"] = first
     signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name == "eps" else "i32")
                  for name in conv_extend_kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(conv_extend_kernel.arg_names)
@@ -69,9 +72,13 @@ def compile_conv(row_tile: int, num_warps: int):
 if __name__ == "__main__":
     configs = [a for a in sys.argv[1:] if not a.startswith("--")] or [f"{ROW_TILE}x{NUM_WARPS}", "16x4"]
     print(f"{os.environ.get('CONV_PY', 'this tree')}{', the other row tiles path' if '--main-path' in sys.argv else ''}")
-    for config in configs:
+    if "FIRST" in conv_extend_kernel.arg_names:
+        configs = [(c, False) for c in configs] + [("4x1", True)]  # (_launch's first launch: BK rows, one warp)
+    else:
+        configs = [(c, False) for c in configs]
+    for config, first in configs:
         row_tile, num_warps = map(int, config.split("x"))
-        kernel = compile_conv(row_tile, num_warps)
+        kernel = compile_conv(row_tile, num_warps, first)
         with tempfile.TemporaryDirectory() as tmp:
             regs = ptxas_report(kernel, Path(tmp))
             instructions, _ = sass(kernel, Path(tmp))
@@ -81,6 +88,6 @@ if __name__ == "__main__":
         for op, n in ops.items():
             groups[op.split(".")[0]] += n
         loads = ", ".join(f"{op} {n}" for op, n in sorted(ops.items()) if op.startswith("LDG"))
-        print(f"{config}: {regs}; {len(instructions)} SASS instructions for {per_thread:.0f} elements a thread "
+        print(f"{config}{' (rows [0, K-1), the history)' if first else ''}: {regs}; {len(instructions)} SASS instructions for {per_thread:.0f} elements a thread "
               f"({len(instructions) / per_thread:.0f} per element); " + " ".join(f"{g} {groups[g]}" for g in SHOWN)
               + f"; loads: {loads}")

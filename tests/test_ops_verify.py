@@ -460,7 +460,8 @@ def test_conv_extend_ref_equals_the_sequential_conv_and_keeps_the_last_inputs():
 
 @interpreted
 @pytest.mark.parametrize("L,T,C,dtype", [(4, 7, 24, torch.float32), (3, 40, 300, torch.float32),
-                                         (6, 33, 40, torch.float16)])
+                                         (6, 33, 40, torch.float16), (2, 2, 24, torch.float32),
+                                         (2, 3, 24, torch.float32)])  # (rows [0, K-1): the history's own launch)
 def test_conv_extend_kernel_matches_ref(L, T, C, dtype):
     from deltaflash.ops.conv.extend import causal_conv_extend, causal_conv_extend_ref
 
@@ -474,7 +475,7 @@ def test_conv_extend_kernel_matches_ref(L, T, C, dtype):
 
 @interpreted
 @pytest.mark.parametrize("nk,nv,dk,dv,T,dtype", [(2, 4, 8, 6, 7, torch.float32), (3, 3, 16, 16, 33, torch.float32),
-                                                 (1, 2, 16, 8, 12, torch.float16)])
+                                                 (1, 2, 16, 8, 12, torch.float16), (2, 4, 8, 6, 3, torch.float32)])
 def test_conv_extend_heads_kernel_matches_ref(nk, nv, dk, dv, T, dtype):
     """The prefill conv split into the chunked rule's inputs: q, k normalised per key head and repeated for
     the value heads that read them, v as it is, the lanes' new history; padding lanes and short lanes too."""

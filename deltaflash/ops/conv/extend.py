@@ -57,11 +57,13 @@ def conv_extend_kernel(
     stride_w_c, stride_w_t,
     T, C, DK, KD, eps,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    HEADS: tl.constexpr, REP: tl.constexpr,
+    HEADS: tl.constexpr, REP: tl.constexpr, FIRST: tl.constexpr,
 ):
-    """One program: rows [i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC). Tap j of row t reads
-    the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j).
-    The first row tile's program also writes the lane's new history (the inputs at n - (K-1) + i).
+    """One program: rows [R0 + i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC). Tap j of row t
+    reads the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j).
+    FIRST: the launch of rows [0, K-1) (R0 = 0), the only ones that reach into the history; it also writes the
+    lane's new history (the inputs at n - (K-1) + i). Else R0 = K-1: rows only, and the registers of the
+    history's loads (its [C, K-1] layout loads a channel at a time) are not the whole grid's.
     Without HEADS the outputs go to out [L, T, C]. With HEADS a tile is one key head (DK = dk): below KD
     channels q, below 2 KD k, each L2-normalised over the head (fp32 from the rounded conv output, one
     rounding) and stored to REP value heads of out / k_out [L, T, REP * KD / DK, DK]; the rest is v,
@@ -70,9 +72,9 @@ def conv_extend_kernel(
     i_l = i_l.to(tl.int64)
     o_d = tl.arange(0, BC)
     o_c = i_c * DK + o_d
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_t = (0 if FIRST else K - 1) + i_t * BT + tl.arange(0, BT)
     m_c = (o_d < DK) & (o_c < C)
-    m_t = o_t < T
+    m_t = (o_t < T) & (o_t < K - 1) if FIRST else o_t < T
     p_rows = rows + i_l * stride_r_l + o_c[None, :].to(tl.int64) * stride_r_c
     p_hist = history + i_l * stride_h_l + o_c[None, :].to(tl.int64) * stride_h_c
     b_acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -80,9 +82,8 @@ def conv_extend_kernel(
         src = o_t[:, None] - (K - 1) + j  # [BT, 1] input index (negative: the history)
         b_x = tl.load(p_rows + tl.maximum(src, 0).to(tl.int64) * stride_r_t, mask=m_c[None, :] & (src >= 0) & (src < T),
                       other=0.0)
-        if i_t * BT < K - 1:  # only the first row tile reaches back into the history (its [C, K-1] layout
-            b_xh = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t,  # loads a channel at a time)
-                           mask=m_c[None, :] & (src < 0), other=0.0)
+        if FIRST:
+            b_xh = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t, mask=m_c[None, :] & (src < 0), other=0.0)
             b_x = tl.where(src >= 0, b_x, b_xh.to(rows.dtype.element_ty))
         b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
         b_acc = b_acc + b_w[None, :] * b_x.to(tl.float32)
@@ -104,7 +105,7 @@ def conv_extend_kernel(
     else:
         VD = C - 2 * KD
         tl.store(v_out + (i_l * T + o_t[:, None]).to(tl.int64) * VD + (o_c[None, :] - 2 * KD), b_o, mask=m_o)
-    if i_t == 0:
+    if FIRST:
         n = tl.load(n_rows + i_l).to(tl.int32)
         o_k = tl.arange(0, BK)
         i_in = n - (K - 1) + o_k[:, None]  # [BK, 1] the inputs that stay
@@ -116,22 +117,27 @@ def conv_extend_kernel(
         tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k)
 
 
-ROW_TILE, NUM_WARPS = 32, 4  # rows per program, warps (not tuned on the GPU)
+ROW_TILE, NUM_WARPS = 32, 4  # rows per program, warps (tile sweep on the H200: bench/tune_conv.py)
 
 
 def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, rep: int):
+    """Two launches: rows [0, K-1) with the history (and the new history), then the rest in ROW_TILE rows."""
     L, T, C = rows.shape
     K = weight.shape[1]
     new_history = torch.empty(L, C, K - 1, dtype=rows.dtype, device=rows.device)
     if L and T:
         out, k_out, v_out = outs
-        conv_extend_kernel[(triton.cdiv(C, DK), triton.cdiv(T, ROW_TILE), L)](
-            rows, history, weight, n_rows, out, k_out, v_out, new_history,
-            *rows.stride(), *history.stride(), *weight.stride(),
-            T, C, DK, KD, L2_EPS,
-            K=K, BT=ROW_TILE, BC=triton.next_power_of_2(DK), BK=triton.next_power_of_2(K - 1), HEADS=heads, REP=rep,
-            num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
-        )
+        BK = triton.next_power_of_2(K - 1)
+        for first, row_tiles, BT, warps in ((True, 1, BK, 1), (False, triton.cdiv(T - (K - 1), ROW_TILE), ROW_TILE,
+                                                                  NUM_WARPS)):
+            if row_tiles > 0:
+                conv_extend_kernel[(triton.cdiv(C, DK), row_tiles, L)](
+                    rows, history, weight, n_rows, out, k_out, v_out, new_history,
+                    *rows.stride(), *history.stride(), *weight.stride(),
+                    T, C, DK, KD, L2_EPS,
+                    K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=BK, HEADS=heads, REP=rep, FIRST=first,
+                    num_warps=warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+                )
     return new_history
 
 

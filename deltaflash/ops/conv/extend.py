@@ -3,8 +3,9 @@ returned for the caller to write).
 
 `causal_conv_extend_ref` is the torch route, `causal_conv_extend` the Triton kernel: one program per
 (channel tile, row tile, lane) reads the rows where the GEMM wrote them (a strided column view of the
-projection) and the history, with the arithmetic of README.md (fp32 taps in order from 0, SiLU, one
-rounding to the rows' dtype), so the two agree bit for bit on a GPU, as the verify route's do. The
+projection) and, for the first K-1 rows (their own launch), the history, with the arithmetic of README.md
+(fp32 taps in order from 0, SiLU, one rounding to the rows' dtype), so the two agree bit for bit on a GPU,
+as the verify route's do. The
 verify route (read-only history, tree parents, windows for commit) lives in tree_step.py / naive.py.
 """
 
@@ -143,7 +144,7 @@ def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, 
 
 def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
     """Fused causal_conv_extend_ref (same arguments and results; rows may be a strided view, history
-    any layout). One launch, no host sync."""
+    any layout). Two launches (rows [0, K-1) with the history, then the rest), no host sync."""
     check_extend_shapes(rows, history, weight, n_rows)
     check_device(rows, history=history, weight=weight, n_rows=n_rows)
     L, T, C = rows.shape
@@ -179,8 +180,8 @@ def conv_extend_heads_ref(rows, history, weight, n_rows, key_heads: int, value_h
 
 
 def conv_extend_heads(rows, history, weight, n_rows, key_heads: int, value_heads: int, key_dim: int):
-    """conv_extend_heads_ref in one launch (the normalisation's sum in the kernel's order): one program's
-    channel tile is one key head (or key_dim channels of v)."""
+    """conv_extend_heads_ref in two launches (as causal_conv_extend; the normalisation's sum in the kernel's
+    order): one program's channel tile is one key head (or key_dim channels of v)."""
     check_extend_shapes(rows, history, weight, n_rows)
     check_device(rows, history=history, weight=weight, n_rows=n_rows)
     dv = check_heads(rows.shape[-1], key_heads, value_heads, key_dim)

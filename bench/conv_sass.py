@@ -20,12 +20,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 sys.path.insert(0, str(Path(__file__).parent))
-from verify_registers import opcode, ptxas_report, sass  # noqa: E402
+from verify_registers import compile_sm90, opcode, ptxas_report, sass  # noqa: E402
 
 from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE  # noqa: E402
 
@@ -60,13 +56,7 @@ def compile_conv(row_tile: int, num_warps: int, first: bool = False):
     consts = dict(K=4, BT=row_tile, BC=128, BK=4, HEADS=True, REP=2, **{name: 1 for name in UNIT})
     if "FIRST" in conv_extend_kernel.arg_names:
         consts["FIRST"] = first
-    signature = {name: POINTERS.get(name, "constexpr" if name in consts else "fp32" if name == "eps" else "i32")
-                 for name in conv_extend_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(conv_extend_kernel.arg_names)
-               if signature[name].startswith("*") or signature[name] == "i32"}
-    return triton.compile(ASTSource(conv_extend_kernel, signature, consts, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
-                                       enable_reflect_ftz=False))
+    return compile_sm90(conv_extend_kernel, POINTERS, consts, "eps", num_warps, fp_fusion=False)
 
 
 if __name__ == "__main__":

@@ -98,20 +98,27 @@ def test_scheduler_widths_follow_the_tokens_left():
     assert plain.config.block_size == 1 and plain.width(seqs[0]) == 1
 
 
-def test_the_prefill_budget_is_not_drawn_on_by_the_round():
-    """max_num_batched_tokens bounds the prompt chunks of a step, beside the round: a waiting prompt gets
-    the whole budget however many rows the running lanes verify, and no more; with nothing decoding, the
-    idle budget."""
-    config = EngineConfig(max_slots=4, max_num_batched_tokens=20, idle_prefill_tokens=50,
-                          block_size=4).resolve(torch.device("cpu"), 4)
-    scheduler = Scheduler(config, num_pages=1000)
+def two_decoding_and_a_long_prompt(prompt_len: int, costs: RoundCosts | None = None, idle_prefill_tokens: int = 100,
+                                   **options) -> tuple[Scheduler, list[Sequence]]:
+    """A scheduler (step budget 20, block 4) whose lanes a and b decode, with a `prompt_len`-token prompt waiting."""
+    config = EngineConfig(max_slots=4, max_num_batched_tokens=20, idle_prefill_tokens=idle_prefill_tokens,
+                          block_size=4, **options).resolve(torch.device("cpu"), 4)
+    scheduler = Scheduler(config, num_pages=1000, costs=costs)
     running = [sequence(rid, 3, max_new=50) for rid in "ab"]
     for seq in running:
         scheduler.add(seq)
     scheduler.schedule()
     for seq in running:
         seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
-    scheduler.add(sequence("long", 100))
+    scheduler.add(sequence("long", prompt_len))
+    return scheduler, running
+
+
+def test_the_prefill_budget_is_not_drawn_on_by_the_round():
+    """max_num_batched_tokens bounds the prompt chunks of a step, beside the round: a waiting prompt gets
+    the whole budget however many rows the running lanes verify, and no more; with nothing decoding, the
+    idle budget."""
+    scheduler, running = two_decoding_and_a_long_prompt(100, idle_prefill_tokens=50)
     plan = scheduler.schedule()  # a round of 2 lanes x 4 rows beside 20 prompt tokens
     assert plan.round_width == 4 and len(plan.decode) == 2
     assert [(c.seq.request_id, len(c.tokens)) for c in plan.prefill] == [("long", 20)]
@@ -131,21 +138,8 @@ def test_the_prefill_budget_beside_a_speculative_round_scales_with_its_cost():
     """With scale_prefill_budget, a waiting prompt gets the step budget times the round's cost over a plain
     round's at the lane bucket (calibrated seeds, then measured rounds), at most the idle budget; beside a
     plain round, or without costs, or with the scaling off, the step budget; the plan carries its budget."""
-    def scheduler_with(costs, **options):
-        config = EngineConfig(max_slots=4, max_num_batched_tokens=20, idle_prefill_tokens=100, block_size=4,
-                              **options).resolve(torch.device("cpu"), 4)
-        scheduler = Scheduler(config, num_pages=1000, costs=costs)
-        running = [sequence(rid, 3, max_new=50) for rid in "ab"]
-        for seq in running:
-            scheduler.add(seq)
-        scheduler.schedule()
-        for seq in running:
-            seq.status, seq.num_prefilled, seq.output_ids, seq.pending = Status.DECODING, 3, [1], 1
-        scheduler.add(sequence("long", 300))
-        return scheduler, running
-
     costs = RoundCosts(seeds={(2, 1): 1.0, (2, 4): 2.5, (4, 1): 1.0, (4, 4): 9.0}, buckets=(1, 2, 4))
-    scheduler, running = scheduler_with(costs)
+    scheduler, running = two_decoding_and_a_long_prompt(300, costs=costs)
     assert scheduler.config.scale_prefill_budget
     plan = scheduler.schedule()  # 2 lanes x 4 rows: bucket 2, 2.5x a plain round
     assert plan.round_width == 4 and plan.prefill_budget == 50
@@ -164,8 +158,8 @@ def test_the_prefill_budget_beside_a_speculative_round_scales_with_its_cost():
     assert costs.cost_ratio(2, 4) == 2.5 and costs.measured == {}
     costs.observe(2, 1, 10.0)  # a speculative round cheaper than a plain one: never below the step budget
     assert costs.cost_ratio(2, 4) < 1 and scheduler.prefill_budget(2, 4) == 20
-    assert scheduler_with(None)[0].schedule().prefill_budget == 20
-    off, _ = scheduler_with(costs, scale_prefill_budget=False)
+    assert two_decoding_and_a_long_prompt(300)[0].schedule().prefill_budget == 20
+    off, _ = two_decoding_and_a_long_prompt(300, costs=costs, scale_prefill_budget=False)
     assert not off.config.scale_prefill_budget and off.schedule().prefill_budget == 20
     assert not EngineConfig(scale_prefill_budget=True).resolve(torch.device("cpu"), None).scale_prefill_budget
     assert EngineConfig(scale_prefill_budget=None).resolve(torch.device("cpu"), 4).round_prefill_tokens == 2048

@@ -32,7 +32,7 @@ def lane(rate: float | None = None, rounds: int = 30, allowed: int = 15) -> Sequ
 def compute_bound_costs(weight_read: float = 5.0, per_row: float = 0.02) -> RoundCosts:
     """A GPU-like round: a fixed weight read until lanes x rows make it compute-bound."""
     return RoundCosts(seeds={(b, w): max(weight_read, per_row * b * w) + 0.5 * (w > 1)
-                             for b in BUCKETS for w in allowed_widths(16)})
+                             for b in BUCKETS for w in allowed_widths(16)}, buckets=BUCKETS)
 
 
 def test_allowed_widths_and_expected_tokens():
@@ -49,7 +49,7 @@ def test_allowed_widths_and_expected_tokens():
 
 
 def test_width_shrinks_as_load_grows():
-    policy = WidthPolicy(allowed_widths(16), BUCKETS, compute_bound_costs())
+    policy = WidthPolicy(allowed_widths(16), compute_bound_costs())
     chosen = {n: policy.choose([lane(0.8) for _ in range(n)], [16] * n)[0] for n in (1, 16, 64)}
     assert chosen[1] == 16 and chosen[1] >= chosen[16] >= chosen[64] and chosen[64] < 16, chosen
     low = {n: policy.choose([lane(0.3) for _ in range(n)], [16] * n)[0] for n in (1, 64)}
@@ -58,7 +58,7 @@ def test_width_shrinks_as_load_grows():
 
 
 def test_a_lane_never_accepted_stops_drafting_and_probes_again():
-    policy = WidthPolicy(allowed_widths(8), BUCKETS, compute_bound_costs(), probe_every=5)
+    policy = WidthPolicy(allowed_widths(8), compute_bound_costs(), probe_every=5)
     seq, good = lane(), lane(0.9)
     widths = []
     for _ in range(40):
@@ -76,7 +76,7 @@ def test_a_lane_never_accepted_stops_drafting_and_probes_again():
 def test_lanes_probing_together_under_load_keep_the_round_narrow():
     """Sixteen lanes that stopped drafting together probe together: the round verifies PROBE_WIDTH rows,
     not the block's (a useless drafter at 16 lanes otherwise ran every 16th round at twice the cost)."""
-    policy = WidthPolicy(allowed_widths(16), BUCKETS, compute_bound_costs(), probe_every=4)
+    policy = WidthPolicy(allowed_widths(16), compute_bound_costs(), probe_every=4)
     seqs = [lane() for _ in range(16)]
     rounds = []
     for _ in range(24):
@@ -122,7 +122,7 @@ def test_greedy_output_is_the_same_at_every_width_mix(pair):
 
 def test_seeded_sampled_lanes_verify_their_full_width_whatever_the_load():
     """A seeded sampled request reproduces only if the positions it drafts do not depend on the load."""
-    policy = WidthPolicy(allowed_widths(16), BUCKETS, compute_bound_costs())
+    policy = WidthPolicy(allowed_widths(16), compute_bound_costs())
     seqs = [lane(0.3) for _ in range(64)]
     assert policy.choose(seqs, [16] * 64)[0] < 16  # under load, greedy lanes narrow down
     seeded = lane(0.3)
@@ -132,7 +132,7 @@ def test_seeded_sampled_lanes_verify_their_full_width_whatever_the_load():
 
 
 def test_forget_keeps_only_the_calibration():
-    policy = WidthPolicy(allowed_widths(8), BUCKETS, RoundCosts(seeds={(1, 1): 1.0, (1, 8): 2.0}))
+    policy = WidthPolicy(allowed_widths(8), RoundCosts(seeds={(1, 1): 1.0, (1, 8): 2.0}))
     seq = lane()
     policy.observe(seq, 7, 0)
     policy.costs.observe(1, 8, 5.0)

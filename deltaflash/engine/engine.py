@@ -57,8 +57,7 @@ class Engine:
         if self.config.adaptive or self.config.scale_prefill_budget:
             self.scheduler.costs = self.runner.calibrate()  # after capture: it times what rounds will replay
         if self.config.adaptive:
-            self.scheduler.policy = WidthPolicy(self.config.widths, buckets_for(self.config.max_slots),
-                                                self.scheduler.costs)
+            self.scheduler.policy = WidthPolicy(self.config.widths, self.scheduler.costs)
         if self.config.costed_trees:
             self.scheduler.tree_choice = TreeChoice(buckets_for(self.config.max_slots))
         if self.device.type == "cuda":

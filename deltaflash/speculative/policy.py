@@ -47,6 +47,11 @@ def allowed_widths(block_size: int) -> tuple[int, ...]:
     return tuple(widths + [block_size]) if block_size > 1 else (1,)
 
 
+def lane_bucket(buckets: Seqs[int], lanes: int) -> int:
+    """The smallest of `buckets` (the rounds' graphs) holding `lanes` lanes; `lanes` itself past the last."""
+    return next((b for b in buckets if b >= lanes), lanes)
+
+
 def acceptance_rate(seq: Sequence, j: int, prior: float = FIRST_RATE) -> float:
     """Running rate at which lane `seq` has its j-th draft accepted after the j-1 before it (j >= 1),
     `prior` (the engine-wide rate) counting PRIOR_WEIGHT rounds."""
@@ -121,7 +126,7 @@ class RoundCosts:
         return s * (bucket * width) / (b * w)
 
     def bucket(self, lanes: int) -> int:
-        return next((b for b in self.buckets if b >= lanes), lanes)
+        return lane_bucket(self.buckets, lanes)
 
     def cost_ratio(self, lanes: int, width: int) -> float:
         """A round of `lanes` lanes at `width` rows over one at width 1 (the same lane bucket)."""
@@ -145,14 +150,10 @@ class WidthPolicy:
     """Chooses each round's width and each lane's (see the module docstring)."""
 
     widths: tuple[int, ...]
-    buckets: tuple[int, ...]
-    costs: RoundCosts
+    costs: RoundCosts  # its buckets are the policy's
     probe_every: int = 16
     tries: list[float] = field(default_factory=list)  # engine-wide decayed counts per draft position
     hits: list[float] = field(default_factory=list)
-
-    def bucket(self, lanes: int) -> int:
-        return next((b for b in self.buckets if b >= lanes), lanes)
 
     def forget(self) -> None:
         """Back to the calibration alone: no acceptance record, no measured rounds."""
@@ -178,7 +179,7 @@ class WidthPolicy:
         probing = [seq.rounds_since_draft + 1 >= self.probe_every for seq in seqs]
         caps = [min(cap, PROBE_WIDTH) if probe else cap for cap, probe in zip(caps, probing)]
         drafting = [cap > 1 and (probe or self._drafts(seq, priors)) for seq, cap, probe in zip(seqs, caps, probing)]
-        bucket = self.bucket(len(seqs))
+        bucket = self.costs.bucket(len(seqs))
         gains = [0.0] * len(self.widths)  # expected tokens of the round at each width, summed in lane order
         for seq, cap, d, probe in zip(seqs, caps, drafting, probing):
             curve = (_OPTIMISTIC[:cap] if probe else expected_curve(seq, cap, priors)) if d else None
@@ -252,7 +253,7 @@ class TreeChoice:
     since: dict[int, int] = field(default_factory=dict)  # bucket -> rounds since the losing mode last ran there
 
     def bucket(self, lanes: int) -> int:
-        return next((b for b in self.buckets if b >= lanes), lanes)
+        return lane_bucket(self.buckets, lanes)
 
     def rate(self, bucket: int, trees: bool) -> float | None:
         """Tokens per second a lane gets from rounds of that mode at `bucket` (None: no figures yet)."""

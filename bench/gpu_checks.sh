@@ -5,7 +5,7 @@
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
 #   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune tunebuild tuneconv kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
+# Steps: tests spec target tune tunebuild tuneconv skinny skinnyround kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
@@ -75,6 +75,11 @@ for step in "$@"; do
                            --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4}
                    done ;;  # (gamma vs torch: GATES)
         tuneconv) run tuneconv 90 python3 bench/tune_conv.py ;;  # issue 15: the prefill conv's tiles
+        skinny) run skinny 420 python3 bench/tune_skinny.py --out "$OUT/skinny-tiles.json" --report "$OUT/skinny.json" \
+                    ${SKINNY_ARGS:-} ;;  # issue 16 item 3: skinny split-K tiles vs cuBLAS (copy the table to
+                    # deltaflash/ops/gemm/tiles/), then one round with cuBLAS and with that table side by side
+        skinnyround) run skinnyround 240 python3 -m deltaflash bench round --lanes 1 4 16 --routes fused --rounds 6 \
+                         --skinny-gemm off "${SKINNY_TABLE:-$OUT/skinny-tiles.json}" --json "$OUT/skinny-round.json" ;;
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;

@@ -51,17 +51,18 @@ def compile_verify(bv: int, num_warps: int, fp_fusion: bool, widen_at_load: bool
     return compile_sm90(gdn_verify_kernel, POINTERS, consts, "scale", num_warps, fp_fusion)
 
 
-def compile_sm90(kernel, pointers: dict[str, str], consts: dict, float_arg: str, num_warps: int, fp_fusion: bool):
+def compile_sm90(kernel, pointers: dict[str, str], consts: dict, float_arg: str | None, num_warps: int,
+                 fp_fusion: bool, num_stages: int = 1, unaligned: tuple[str, ...] = ()):
     """`kernel` compiled for sm_90 as the JIT would launch it at the 9B shape: `pointers` typed, `consts`
     constexpr, `float_arg` fp32, every other argument i32; every pointer 16-byte aligned and every integer a
-    multiple of 16 (without these hints Triton picks other layouts: the figures would not be the launched
-    kernel's)."""
+    multiple of 16 but those `unaligned` (the kernel's do_not_specialize arguments; without these hints
+    Triton picks other layouts: the figures would not be the launched kernel's)."""
     signature = {name: pointers.get(name, "constexpr" if name in consts else "fp32" if name == float_arg else "i32")
                  for name in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if signature[name].startswith("*") or signature[name] == "i32"}
+               if (signature[name].startswith("*") or signature[name] == "i32") and name not in unaligned}
     return triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=fp_fusion,
+                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fp_fusion,
                                        enable_reflect_ftz=False))
 
 

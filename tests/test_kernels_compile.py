@@ -1,5 +1,5 @@
 """The prefill conv, SwiGLU, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
-greedy tree walk, vocabulary top-k and ancestor mask kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
+greedy tree walk, vocabulary top-k, ancestor mask and skinny GEMM kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
 under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined
 with another shape inside an `if`): this catches that before a GPU run does."""
 
@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent("""
     from deltaflash.ops.conv.extend import conv_extend_kernel
     from deltaflash.ops.gdn.commit import state_commit_kernel
     from deltaflash.ops.gdn.verify import gdn_verify_kernel
+    from deltaflash.ops.gemm.skinny import skinny_linear_kernel, splitk_sum_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
     from deltaflash.ops.rope.rotary import rope_kernel
     from deltaflash.ops.tree.ancestors import ancestor_mask_kernel
@@ -109,6 +110,19 @@ SCRIPT = textwrap.dedent("""
     kernel = triton.compile(ASTSource(merge_top_k_kernel, signature, dict(K=4, BC=128)),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert ".entry merge_top_k_kernel" in kernel.asm["ptx"]
+    # the skinny GEMM: bf16 rows at 16 (mma.sync) and 64 (wgmma), fp32 IEEE, direct and partial sums; the split sum
+    for dtype, bm, partial, ieee in (("bf16", 16, False, False), ("bf16", 64, True, False), ("fp32", 16, True, True)):
+        consts = dict(PARTIAL=partial, HAS_BIAS=True, IEEE=ieee, EVEN_K=not partial, BM=bm, BN=64, BK=128)
+        pointers = dict(x=f"*{dtype}", w=f"*{dtype}", bias=f"*{dtype}", out=f"*{dtype}", part="*fp32")
+        signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in skinny_linear_kernel.arg_names}
+        kernel = triton.compile(ASTSource(skinny_linear_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, num_stages=3))
+        assert ".entry skinny_linear_kernel" in kernel.asm["ptx"]
+    signature = dict(part="*fp32", bias="*bf16", out="*bf16", M="i32", N="i32", stride_om="i32", SPLIT="constexpr",
+                     HAS_BIAS="constexpr", BLOCK="constexpr")
+    kernel = triton.compile(ASTSource(splitk_sum_kernel, signature, dict(SPLIT=3, HAS_BIAS=True, BLOCK=1024)),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert ".entry splitk_sum_kernel" in kernel.asm["ptx"]
     print("compiled")
 """)
 

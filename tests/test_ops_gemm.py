@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.request import SamplingParams
-from deltaflash.models.layers import BatchInvariantLinear
+from deltaflash.models.layers import RoutedLinear
 from deltaflash.ops.gemm.invariant import BM, invariant_linear, invariant_linear_kernel
 from tests.spec_pairs import engine_for, make_pair, prompts
 
@@ -79,6 +79,6 @@ def test_an_engine_runs_its_products_batch_invariant():
         spec = engine_for(target, draft, max_model_len=64, batch_invariant=True)
         model = spec.runner.model
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
-        assert any(isinstance(m, BatchInvariantLinear) for m in model.modules())
+        assert any(isinstance(m, RoutedLinear) and m.product is invariant_linear for m in model.modules())
         assert model.linear is invariant_linear and model.layers[0].mlp.linear is invariant_linear
         assert [c.token_ids for c in spec.generate(batch, params)[0]] == want

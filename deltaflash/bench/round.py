@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,7 +21,8 @@ from deltaflash.speculative.sources import ScriptedSource
 
 
 def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int, kernels: str = "auto",
-                    tree_budget: int = 0, tensor_parallel=None, unwritten: bool = False) -> Engine:
+                    tree_budget: int = 0, tensor_parallel=None, unwritten: bool = False,
+                    skinny_gemm: str = "auto") -> Engine:
     """An engine with `lanes` sequences past prefill, drafting from a (random) script (trees of
     `tree_budget` nodes when given); `tensor_parallel`: this rank's place when the model is a share.
     `unwritten`: the prompts take their pages and lengths but are not computed (their K/V rows hold
@@ -29,7 +31,8 @@ def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int
     cfg = model.cfg
     source = ScriptedSource({}, width, cfg.vocab_size, seed=0)
     engine = Engine(model, None, None, EngineConfig(max_slots=lanes, max_model_len=max_len, max_num_batched_tokens=4096,
-                                                    kernels=kernels, tree_budget=tree_budget, tree_max_lanes=0),
+                                                    kernels=kernels, tree_budget=tree_budget, tree_max_lanes=0,
+                                                    skinny_gemm=skinny_gemm),
                     draft_source=source, tensor_parallel=tensor_parallel)
     gen = torch.Generator().manual_seed(lanes)
     for _ in range(lanes):
@@ -113,27 +116,38 @@ def _measure(tensor_parallel, args) -> dict | None:
     for max_len in args.max_model_len:  # one model, every capacity: the rounds side by side
         for lanes in args.lanes:
             row = {"max_model_len": max_len, "lanes": lanes}
-            for name, kernels in [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]:
-                engine = decoding_engine(model, lanes, args.width, args.prompt_len, max_len, kernels,
-                                         args.tree_budget, tensor_parallel, args.unwritten_context)
-                graphs = engine.config.cuda_graphs
-                pages[max_len] = engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)
-                inputs = verify_inputs(engine)
-                if not args.tree_budget:  # (a tree round's verify needs a tree: timed inside the round)
-                    row[f"{name}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
-                row[f"{name}_round_ms"] = round_ms(engine, args.rounds)
-                engine = None  # free its pool before the next engine
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            routes = [r for r in (("fused", "triton"), ("unfused", "reference")) if r[0] in args.routes]
+            for gemm in args.skinny_gemm:
+                tag = gemm_tag(gemm, args.skinny_gemm)
+                for name, kernels in routes:
+                    engine = decoding_engine(model, lanes, args.width, args.prompt_len, max_len, kernels,
+                                             args.tree_budget, tensor_parallel, args.unwritten_context, gemm)
+                    graphs = engine.config.cuda_graphs
+                    pages[max_len] = engine.runner.page_plan.describe(engine.config.max_model_len,
+                                                                      engine.config.block_size)
+                    inputs = verify_inputs(engine)
+                    if not args.tree_budget:  # (a tree round's verify needs a tree: timed inside the round)
+                        row[f"{name}{tag}_verify_ms"] = time_ms(lambda: engine.runner.verify(*inputs), 3, 10)
+                    row[f"{name}{tag}_round_ms"] = round_ms(engine, args.rounds)
+                    engine = None  # free its pool before the next engine
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
             row["weight_read_ms"] = limit
-            if "fused" in args.routes:
-                if not args.tree_budget:
-                    row["verify/limit"] = row["fused_verify_ms"] / limit
-                row["round/limit"] = row["fused_round_ms"] / limit
-            if len(args.routes) == 2:
-                row["unfused/fused_round"] = row["unfused_round_ms"] / row["fused_round_ms"]
+            for gemm in args.skinny_gemm:
+                tag = gemm_tag(gemm, args.skinny_gemm)
+                if "fused" in args.routes:
+                    if not args.tree_budget:
+                        row[f"verify{tag}/limit"] = row[f"fused{tag}_verify_ms"] / limit
+                    row[f"round{tag}/limit"] = row[f"fused{tag}_round_ms"] / limit
+                if len(args.routes) == 2:
+                    row[f"unfused/fused_round{tag}"] = row[f"unfused{tag}_round_ms"] / row[f"fused{tag}_round_ms"]
+            first = gemm_tag(args.skinny_gemm[0], args.skinny_gemm)
+            for gemm in args.skinny_gemm[1:]:  # each GEMM choice's round against the first's
+                tag = gemm_tag(gemm, args.skinny_gemm)
+                route = args.routes[0]
+                row[f"round{tag}/{first}"] = row[f"{route}{tag}_round_ms"] / row[f"{route}{first}_round_ms"]
             rows.append(row)
-    route = args.routes[0]
+    route = args.routes[0] + gemm_tag(args.skinny_gemm[0], args.skinny_gemm)
     if len(args.max_model_len) > 1:  # does a round's cost follow the capacity? each row against the first length's
         first = {r["lanes"]: r[f"{route}_round_ms"] for r in rows if r["max_model_len"] == args.max_model_len[0]}
         for r in rows:
@@ -153,6 +167,14 @@ def _measure(tensor_parallel, args) -> dict | None:
               "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bw, "rows": rows}
     write_json(args.json, result)
     return result
+
+
+def gemm_tag(skinny_gemm: str, compared: list[str]) -> str:
+    """The column suffix of a --skinny-gemm value among those `compared`: none for one, else [auto], [off] or
+    [the table file's stem]."""
+    if len(compared) == 1:
+        return ""
+    return f"[{skinny_gemm if skinny_gemm in ('auto', 'off') else Path(skinny_gemm).stem}]"
 
 
 def register(sub) -> None:
@@ -175,5 +197,7 @@ def register(sub) -> None:
     p.add_argument("--routes", nargs="+", choices=["fused", "unfused"], default=["fused", "unfused"],
                    help="kernel sets to time (the unfused reference gathers whole tables inside CUDA graphs: slow "
                         "at long max_model_len)")
+    p.add_argument("--skinny-gemm", nargs="+", default=["auto"], metavar="auto|off|TABLE",
+                   help="the rounds' few-row GEMMs (engine flag --skinny-gemm); several: each timed, side by side")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

@@ -219,7 +219,8 @@ def _start_server(args):
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--device", args.device),
                         ("--dtype", args.dtype), ("--api-key", args.api_key), ("--max-model-len", args.max_model_len),
                         ("--kv-cache-memory", args.kv_cache_memory), ("--speculation", args.speculation),
-                        ("--tree-budget", args.tree_budget), ("--tree-top-k", args.tree_top_k),
+                        ("--skinny-gemm", args.skinny_gemm), ("--tree-budget", args.tree_budget),
+                        ("--tree-top-k", args.tree_top_k),
                         ("--tensor-parallel-size", args.tensor_parallel_size)):
         if value is not None:
             cmd += [flag, str(value)]

@@ -24,6 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the target's products through a batch-invariant Triton GEMM instead of cuBLAS, so a token's "
                         "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
                         "opt-in: its speed is not measured yet)")
+    p.add_argument("--skinny-gemm", default="auto", metavar="auto|off|TABLE",
+                   help="products of rounds of at most 64 rows through a split-K Triton GEMM where a table tuned on "
+                        "the device (bench/tune_skinny.py) measured it faster than cuBLAS: auto (default) = the "
+                        "table shipped for this GPU, if any; off = cuBLAS; or the path of a table")
     p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy rounds (chains, or trees with --tree-budget) replay one CUDA graph each (draft, "
                         "verify, accept, commit) instead of three graphs and ~25-70 launches (default: on with CUDA "
@@ -83,6 +87,13 @@ def check_engine_flags(args) -> None:
         raise DeltaflashError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.tensor_parallel_size < 1:
         raise DeltaflashError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.skinny_gemm not in ("auto", "off"):
+        from deltaflash.ops.gemm.skinny import SkinnyGemms
+
+        try:
+            SkinnyGemms.load(args.skinny_gemm)
+        except ValueError as e:
+            raise DeltaflashError(f"--skinny-gemm {e}") from None
 
 
 def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_parallel=None, **config):
@@ -124,4 +135,5 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_par
                                   tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                   tree_max_lanes=args.tree_max_lanes,
                                   speculation=args.speculation, batch_invariant=args.batch_invariant,
+                                  skinny_gemm=args.skinny_gemm,
                                   round_graphs=args.round_graphs, gpu_memory_utilization=args.gpu_memory_utilization, **config)

@@ -90,6 +90,10 @@ class EngineConfig:
     batch_invariant: run the target's products through ops/gemm's batch-invariant kernel instead of
         cuBLAS (a row's logits then never depend on its batch; opt-in until its speed is measured; the
         model's layers are switched in place).
+    skinny_gemm: the products of rounds of at most 64 rows (target and drafter) through ops/gemm's skinny
+        split-K kernel where a table tuned on the device (bench/tune_skinny.py) measured it faster than
+        cuBLAS: "auto" = the table shipped for this CUDA device (ops/gemm/tiles/), none if there is none;
+        "off" = cuBLAS everywhere; else the path of a table. Off for a batch-invariant engine.
     tensor_parallel_size: ranks the target is sharded over (set by the engine from its TensorParallel,
         parallel/launch.py); above 1 speculation is fixed ("auto" resolves to it, "adaptive" is refused:
         widths chosen from each rank's own timings would part the ranks).
@@ -112,6 +116,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     prefill_graphs: bool | None = None
     batch_invariant: bool = False
+    skinny_gemm: str = "auto"
     round_graphs: bool | None = None
     sync_phase_timing: bool = False
     tensor_parallel_size: int = 1
@@ -178,6 +183,7 @@ class EngineConfig:
             if self.tree_budget > max_nodes(block - 1, self.tree_top_k, self.tree_budget):
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
+        skinny_gemm = self._skinny_gemm(device, env)
         tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
         if self.scale_prefill_budget and self.tensor_parallel_size > 1:
             raise DeltaflashError("scale_prefill_budget does not run under tensor parallelism (the budget would come "
@@ -185,11 +191,34 @@ class EngineConfig:
         scale = block > 1 and self.tensor_parallel_size == 1 if self.scale_prefill_budget is None \
             else self.scale_prefill_budget and block > 1
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
-                                   scale_prefill_budget=scale,
+                                   scale_prefill_budget=scale, skinny_gemm=skinny_gemm,
                                    round_graphs=round_graphs, tree_max_lanes=tree_max_lanes,
                                    block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len,
                                    idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))
+
+    def _skinny_gemm(self, device: torch.device, env: Mapping[str, str]) -> str:
+        """skinny_gemm resolved to "off" or the path of a table that loads."""
+        from deltaflash.ops.gemm.skinny import SkinnyGemms, bundled_table
+
+        device = torch.device(device)
+        if self.skinny_gemm == "auto":
+            if device.type != "cuda" or self.batch_invariant:
+                return "off"
+            table = bundled_table(torch.cuda.get_device_name(device))
+            return "off" if table is None else str(table)
+        if self.skinny_gemm == "off":
+            return "off"
+        if self.batch_invariant:
+            raise DeltaflashError("skinny_gemm and batch_invariant exclude each other (the batch-invariant GEMM "
+                                  "has one tile for every call)")
+        if device.type != "cuda" and not _env_flag(env, "TRITON_INTERPRET"):
+            raise DeltaflashError(f"skinny_gemm {self.skinny_gemm}: its Triton kernels need a CUDA device")
+        try:
+            SkinnyGemms.load(self.skinny_gemm)
+        except ValueError as e:
+            raise DeltaflashError(f"skinny_gemm: {e}") from None
+        return self.skinny_gemm
 
     @property
     def round_prefill_tokens(self) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from deltaflash.cache.commit import (apply_tree_plan, check_chains, commit, commit_unread_chains, commit_unread_tree,
@@ -31,8 +32,10 @@ from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN
                                       padded_rows_allowed, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
-from deltaflash.models.layers import use_batch_invariant_linears
+from deltaflash.models.layers import is_routed, route_products
 from deltaflash.ops.attention import dense as dense_attention
+from deltaflash.ops.gemm.invariant import invariant_linear
+from deltaflash.ops.gemm.skinny import SkinnyGemms
 from deltaflash.ops.kernels import kernels_named
 from deltaflash.speculative.acceptance import Accepted, accept
 from deltaflash.speculative.grammar import lane_masks
@@ -121,8 +124,11 @@ class ModelRunner:
         holds when the length was not given (`max_model_len_given`; given, a pool too small for it is an
         error): `self.config` is the final config."""
         self.model, self.cfg = model, model.cfg
-        if config.batch_invariant:
-            use_batch_invariant_linears(model)
+        # the products' GEMM: cuBLAS, the batch-invariant kernel (target only) or a skinny table's tiles
+        skinny = SkinnyGemms.load(config.skinny_gemm).linear if config.skinny_gemm != "off" else None
+        for module, product in ((model, invariant_linear if config.batch_invariant else skinny), (drafter, skinny)):
+            if module is not None and (product is not None or is_routed(module)):
+                route_products(module, product or F.linear)  # (F.linear: what an earlier engine routed, restored)
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
         self.kernels = kernels_named(config.kernels)

@@ -1,6 +1,6 @@
 """Building blocks of the Qwen3.5 text stack. Ops with a kernel (norms, MoE experts) run the
 implementation of the `Kernels` set passed to the forward (ops/kernels.py). Products run through each
-module's `linear` (F.linear; `use_batch_invariant_linears` swaps in ops/gemm's batch-invariant kernel)."""
+module's `linear` (F.linear; `route_products` swaps in another GEMM: ops/gemm's batch-invariant or skinny kernels)."""
 
 from __future__ import annotations
 
@@ -12,27 +12,46 @@ from deltaflash.ops.kernels import Kernels
 from deltaflash.ops.rope.naive import apply_rope_ref
 
 
-class BatchInvariantLinear(nn.Linear):
-    """nn.Linear through ops/gemm/invariant.py (what `use_batch_invariant_linears` turns a Linear into)."""
+class RoutedLinear(nn.Linear):
+    """nn.Linear whose product is `self.product(x, weight, bias)` (what `route_products` turns a Linear into)."""
+
+    product = staticmethod(F.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from deltaflash.ops.gemm.invariant import invariant_linear
-
-        return invariant_linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
-def use_batch_invariant_linears(model: nn.Module) -> nn.Module:
+def route_products(model: nn.Module, linear) -> nn.Module:
     """Every product of `model` (its nn.Linear layers, merged projections, router and lm_head) through
-    the batch-invariant Triton GEMM: a row's logits no longer depend on the rows it is batched with, on a
-    GPU as on the CPU interpreter. In place; returns the model."""
-    from deltaflash.ops.gemm.invariant import invariant_linear
-
+    `linear(x, weight, bias=None)`, a drop-in for F.linear. In place; returns the model."""
     for module in model.modules():
         if type(module) is nn.Linear:
-            module.__class__ = BatchInvariantLinear
+            module.__class__ = RoutedLinear
+        if isinstance(module, RoutedLinear):
+            module.product = linear
         if hasattr(type(module), "linear"):
-            module.linear = invariant_linear
+            module.linear = linear
     return model
+
+
+def product_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weight [N, K] of each product one forward of `model` runs: a merged projection's matrix once (not
+    its parts), every other nn.Linear, and the embedding where it is also the lm_head (tied)."""
+    merged, weights = set(), []
+    for module in model.modules():
+        if isinstance(module, MergedProjections) and module.merged_weight is not None:
+            weights.append(module.merged_weight)
+            merged.update(id(getattr(module, name)) for name in module.PROJECTIONS)
+    weights += [m.weight for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in merged]
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
+        weights.append(model.embed_tokens.weight)
+    return weights
+
+
+def is_routed(model: nn.Module) -> bool:
+    """Whether `route_products` has run on `model` (its products may not be F.linear)."""
+    return any(isinstance(m, RoutedLinear) for m in model.modules())
 
 
 class MergedProjections(nn.Module):

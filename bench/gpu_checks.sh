@@ -12,7 +12,8 @@
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
-# e.g. "--fp-fusion,--widen-at-load"); e2etau: TAUS ("6 3"), SPECULATION (auto); prefillscale (the scripted e2e
+# e.g. "--fp-fusion,--widen-at-load"); skinny: SKINNY_ARGS (tune_skinny.py's, e.g. "--quick" or "--shapes 9b");
+# skinnyround: SKINNY_TABLE (default OUT/skinny-tiles.json, the skinny step's); e2etau: TAUS ("6 3"), SPECULATION (auto); prefillscale (the scripted e2e
 # with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
 # PS_CONCURRENCY ("16 64"), SPECULATION. specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
@@ -58,7 +59,7 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
 for step in "$@"; do
     case $step in
         tests) run tests 300 python3 -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
-                   tests/test_ops_moe.py tests/test_ops_attention.py tests/test_ops_rope.py tests/test_gpu_graphs.py} ;;
+                   tests/test_ops_moe.py tests/test_ops_attention.py tests/test_ops_rope.py tests/test_ops_skinny.py tests/test_gpu_graphs.py} ;;
         spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q ${PYTEST_ARGS:-} tests/test_spec.py \
                   tests/test_spec_sampling.py tests/test_engine.py tests/test_pages.py tests/test_tree.py \
                   tests/test_policy.py ;;
@@ -78,8 +79,10 @@ for step in "$@"; do
         skinny) run skinny 420 python3 bench/tune_skinny.py --out "$OUT/skinny-tiles.json" --report "$OUT/skinny.json" \
                     ${SKINNY_ARGS:-} ;;  # issue 16 item 3: skinny split-K tiles vs cuBLAS (copy the table to
                     # deltaflash/ops/gemm/tiles/), then one round with cuBLAS and with that table side by side
-        skinnyround) run skinnyround 240 python3 -m deltaflash bench round --lanes 1 4 16 --routes fused --rounds 6 \
-                         --skinny-gemm off "${SKINNY_TABLE:-$OUT/skinny-tiles.json}" --json "$OUT/skinny-round.json" ;;
+        skinnyround) table=${SKINNY_TABLE:-$OUT/skinny-tiles.json}  # cuBLAS and the table side by side, then where the ms go
+                     run skinnyround 240 python3 -m deltaflash bench round --lanes 1 4 16 --routes fused --rounds 6 \
+                         --skinny-gemm off "$table" --json "$OUT/skinny-round.json"
+                     run skinnyprofile 150 python3 bench/profile_round.py 1 4 --skinny-gemm "$table" ;;
         kernels) run kernels 90 python3 -m deltaflash bench kernels --json "$OUT/kernels.json" ;;
         round) run round 150 python3 -m deltaflash bench round --lanes 1 4 16 32 --rounds 6 --json "$OUT/round.json" ;;
         profile) run profile 120 python3 bench/profile_round.py 1 16 ;;

@@ -1,6 +1,7 @@
 """Profile the verify forward of the 9B shape (random bf16 weights) kernel by kernel with torch.profiler.
 
-Usage: python bench/profile_round.py [LANES ...] [--width W] [--layers N] [--max-model-len N ...]   (CUDA)
+Usage: python bench/profile_round.py [LANES ...] [--width W] [--layers N] [--max-model-len N ...]
+       [--skinny-gemm auto|off|TABLE]   (CUDA)
        python bench/profile_round.py [LANES ...] --tree-budget 0 16   (whole rounds: chain of W, trees of 16)
 
 For each lane count: the forward is run eagerly (so every kernel is visible) and from its CUDA graph;
@@ -35,7 +36,7 @@ GROUPS = (
     (r"topk|sort|radix", "top-k / sort"),
     (r"rms_norm", "RMS norms (Triton)"),
     (r"fmha|attention|flash|softmax", "attention"),  # before GEMM: SDPA's kernels are cutlass too
-    (r"gemm|gemv|cutlass|sm90|nvjet|splitK|ampere|xmma", "GEMM"),
+    (r"gemm|gemv|cutlass|sm90|nvjet|splitK|ampere|xmma|skinny_linear", "GEMM"),  # (+ ops/gemm's split-K sum)
     (r"index|gather|scatter|Indexing|put_", "index / gather / scatter"),
     (r"reduce|mean|sum", "reductions (norms)"),
     (r"copy|cat|Cat", "copies / cat"),
@@ -74,6 +75,7 @@ def main():
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-model-len", type=int, nargs="+", default=[1024])
+    p.add_argument("--skinny-gemm", default="auto", help="the engine's --skinny-gemm (auto, off or a table)")
     p.add_argument("--tree-budget", type=int, nargs="+", default=None,
                    help="profile whole rounds with these tree budgets (0: chains of --width) instead of the forward")
     args = p.parse_args()
@@ -81,7 +83,7 @@ def main():
     if args.tree_budget is not None:
         return profile_rounds(model, args)
     for lanes, capacity in ((n, c) for n in args.lanes for c in args.max_model_len):
-        engine = decoding_engine(model, lanes, args.width, 256, capacity)
+        engine = decoding_engine(model, lanes, args.width, 256, capacity, skinny_gemm=args.skinny_gemm)
         runner = engine.runner
         inputs = verify_inputs(engine)
         eager = lambda: runner._verify_rows(*inputs[:3])  # noqa: E731  (the graphs' forward, run eagerly)
@@ -107,7 +109,8 @@ def report(title: str, count: int, kernel_ms: float, groups: dict, top: list) ->
 def profile_rounds(model, args) -> None:
     """Whole rounds (engine.step) per lane count, capacity and tree budget, timed and profiled."""
     for lanes, capacity, budget in ((n, c, b) for n in args.lanes for c in args.max_model_len for b in args.tree_budget):
-        engine = decoding_engine(model, lanes, args.width, 256, capacity, tree_budget=budget)
+        engine = decoding_engine(model, lanes, args.width, 256, capacity, tree_budget=budget,
+                                 skinny_gemm=args.skinny_gemm)
         step = engine.step
         ms = time_ms(step, 3, 10)
         profile_forward(step)  # profiler warm-up

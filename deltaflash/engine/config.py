@@ -92,8 +92,9 @@ class EngineConfig:
         model's layers are switched in place).
     skinny_gemm: the products of rounds of at most 64 rows (target and drafter) through ops/gemm's skinny
         split-K kernel where a table tuned on the device (bench/tune_skinny.py) measured it faster than
-        cuBLAS: "auto" = the table shipped for this CUDA device (ops/gemm/tiles/), none if there is none;
-        "off" = cuBLAS everywhere; else the path of a table. Off for a batch-invariant engine.
+        cuBLAS (graph replays: device time): "auto" = the table shipped for this CUDA device
+        (ops/gemm/tiles/) when rounds replay CUDA graphs, none if there is none; "off" = cuBLAS everywhere;
+        else the path of a table. Off for a batch-invariant engine.
     tensor_parallel_size: ranks the target is sharded over (set by the engine from its TensorParallel,
         parallel/launch.py); above 1 speculation is fixed ("auto" resolves to it, "adaptive" is refused:
         widths chosen from each rank's own timings would part the ranks).
@@ -183,7 +184,7 @@ class EngineConfig:
             if self.tree_budget > max_nodes(block - 1, self.tree_top_k, self.tree_budget):
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
-        skinny_gemm = self._skinny_gemm(device, env)
+        skinny_gemm = self._skinny_gemm(device, env, graphs)
         tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
         if self.scale_prefill_budget and self.tensor_parallel_size > 1:
             raise DeltaflashError("scale_prefill_budget does not run under tensor parallelism (the budget would come "
@@ -197,13 +198,13 @@ class EngineConfig:
                                    max_model_len=self.max_model_len or model_max_len,
                                    idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))
 
-    def _skinny_gemm(self, device: torch.device, env: Mapping[str, str]) -> str:
+    def _skinny_gemm(self, device: torch.device, env: Mapping[str, str], graphs: bool) -> str:
         """skinny_gemm resolved to "off" or the path of a table that loads."""
         from deltaflash.ops.gemm.skinny import SkinnyGemms, bundled_table
 
         device = torch.device(device)
-        if self.skinny_gemm == "auto":
-            if device.type != "cuda" or self.batch_invariant:
+        if self.skinny_gemm == "auto":  # (eager, two Triton launches cost more host time than cuBLAS's one)
+            if device.type != "cuda" or self.batch_invariant or not graphs:
                 return "off"
             table = bundled_table(torch.cuda.get_device_name(device))
             return "off" if table is None else str(table)

@@ -3,6 +3,7 @@ output (greedy spec == target-only), and the scripted workload at zero corruptio
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -41,13 +42,23 @@ def test_demo_workload_writes_json_and_plots(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name
 
 
+def empty_skinny_table(folder: Path) -> Path:
+    """A skinny GEMM table routing nothing (an engine given it keeps its path in its config)."""
+    from deltaflash.ops.gemm.skinny import SkinnyGemms
+
+    SkinnyGemms("test", {}).save(folder / "tiles.json")
+    return folder / "tiles.json"
+
+
 @pytest.mark.parametrize("workload", ["demo", "scripted"])
 def test_workload_engines_take_the_options_given(tmp_path, workload):
-    """--tree-budget, --tree-top-k, --speculation and --max-model-len reach the engines the sweep measures
-    (a lost keyword once made the demo sweep measure chains under a tree flag); target-only has no tree."""
+    """--tree-budget, --tree-top-k, --speculation, --max-model-len, --max-num-batched-tokens and --skinny-gemm
+    reach the engines the sweep measures (a lost keyword once made the demo sweep measure chains under a tree
+    flag); target-only has no tree."""
     args = parse("--workload", workload, "--prompts", "1", "--max-new-tokens", "4", "--prompt-lines", "2",
                  "--device", "cpu", "--tree-budget", "6", "--tree-top-k", "2", "--speculation", "fixed",
-                 "--max-model-len", "192", "--layers", "1", "--prompt-len", "8",
+                 "--max-model-len", "192", "--layers", "1", "--prompt-len", "8", "--max-num-batched-tokens", "96",
+                 "--skinny-gemm", str(empty_skinny_table(tmp_path)),
                  *(["--model", str(save_checkpoint(build_hf_model("dense_gqa"), tmp_path / "t"))]
                    if workload == "scripted" else []))
     make = e2e._demo_workload if workload == "demo" else e2e._scripted_workload
@@ -55,6 +66,8 @@ def test_workload_engines_take_the_options_given(tmp_path, workload):
     assert (spec.config.tree_budget, spec.config.tree_top_k, spec.config.speculation) == (6, 2, "fixed")
     assert spec.config.max_model_len == plain.config.max_model_len == 192
     assert plain.config.tree_budget == 0 and plain.config.block_size == 1
+    assert spec.config.max_num_batched_tokens == plain.config.max_num_batched_tokens == 96
+    assert spec.config.skinny_gemm == plain.config.skinny_gemm == str(tmp_path / "tiles.json")
 
 
 def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):

@@ -179,3 +179,49 @@ def test_product_weights_are_one_forwards_products(tied):
     embedding = model.embed_tokens.weight.numel()
     assert sum(w.numel() for w in weights) == sum(p.numel() for p in matrices) + tied * embedding
     assert weights[-1] is (model.embed_tokens.weight if tied else model.lm_head.weight)
+
+
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="CUDA graphs")
+def test_graph_replayed_rounds_through_the_table_equal_eager_ones_and_stay_lossless(tmp_path):
+    """On CUDA, a table routing every product of a tiny fp32 target: a verify replayed from its CUDA graph (the
+    kernels and their split-K workspace captured) gives the eager forward's bits, and greedy speculation from
+    scripted drafts equals target-only decoding through the same table."""
+    from deltaflash.engine.engine import Engine
+    from deltaflash.models.loader import load_model
+    from deltaflash.speculative.sources import ScriptedSource
+    from tests.checkpoints import build_hf_model, save_checkpoint
+    from tests.spec_pairs import assert_greedy_equal, give_pages
+    from tests.test_gpu_graphs import decoding
+
+    folder = save_checkpoint(build_hf_model("dense_gqa", seed=6), tmp_path / "target")
+    model = load_model(folder, device="cuda", dtype=torch.float32, progress=False)
+    tile = SkinnyTile(32, 64, split=2)
+    table = {table_key(n, k, torch.float32, rows): tile
+             for n, k in {tuple(w.shape) for w in product_weights(model)} for rows in (1, 2, 4, 8, 16, 32, 64)}
+    SkinnyGemms("test", table).save(tmp_path / "tiles.json")
+    config = EngineConfig(max_slots=6, max_model_len=128, skinny_gemm=str(tmp_path / "tiles.json"))
+
+    engine = Engine(model, config=config, draft_source=ScriptedSource({}, 5, 96))
+    assert engine.runner.graphs is not None and any(isinstance(m, RoutedLinear) for m in model.modules())
+    seqs = decoding(engine, [[5, 6, 7], list(range(1, 30)), list(range(40, 51))])
+    for s in seqs:
+        give_pages(engine, s.slot, s.position + 5)
+    ids = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    slot_ids = torch.tensor([s.slot for s in seqs], device="cuda")
+    start = torch.tensor([s.position for s in seqs], device="cuda")
+    with torch.inference_mode():
+        graphed = engine.runner.verify(ids, slot_ids, start, kmax=max(s.position for s in seqs) + 5).logits.clone()
+        padding = slot_ids.new_full((1,), -1)  # the graph's 4-lane bucket, eagerly
+        eager = engine.runner._verify_rows(torch.cat([ids, ids[:1]]), torch.cat([slot_ids, padding]),
+                                           torch.cat([start, start[:1] * 0]))[0]
+    assert torch.equal(graphed, eager[:3])
+    del engine
+
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 19, 33, 8)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = [c.token_ids for c in Engine(model, config=config).generate(batch, params)[0]]
+    scripts = {tuple(p): e for p, e in zip(batch, want)}
+    spec = Engine(model, config=config, draft_source=ScriptedSource(scripts, 8, 96, corrupt=0.1, seed=1))
+    got = [c.token_ids for c in spec.generate(batch, params)[0]]
+    assert_greedy_equal(folder, batch, got, want)

@@ -107,10 +107,11 @@ class Product:
         return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
 
 
-def tune(shapes: set[tuple[int, int]], device, dtype, timer, sms: int, margin: float, quick: bool):
-    """-> (table of winning tiles, {(n, k, rows): (cuBLAS ms, best tile, its ms)})."""
+def tune(shapes: list[tuple[int, int]], device, dtype, timer, sms: int, margin: float, quick: bool, done=None):
+    """-> (table of winning tiles, {(n, k, rows): (cuBLAS ms, best tile, its ms)}), the shapes in the order
+    given; done(tiles, report), when given, after each shape (a run cut short keeps what it measured)."""
     tiles, report = {}, {}
-    for n, k in sorted(shapes):
+    for n, k in shapes:
         product = Product(n, k, device, dtype, timer)
         for bm in sorted({row_block(r) for r in ROW_BUCKETS}):
             buckets = [r for r in ROW_BUCKETS if row_block(r) == bm]
@@ -131,6 +132,8 @@ def tune(shapes: set[tuple[int, int]], device, dtype, timer, sms: int, margin: f
                       f"TB/s | best {tile} {ms:.4f} ms {product.nbytes / ms / 1e9:5.2f} TB/s | "
                       f"x{cublas / ms:.2f}{' TAKEN' if table_key(n, k, dtype, rows) in tiles else ''}", flush=True)
         del product
+        if done is not None:
+            done(tiles, report)
     return tiles, report
 
 
@@ -183,9 +186,23 @@ def main():
         props = torch.cuda.get_device_properties(0)
         sms, name, bw = props.multi_processor_count, torch.cuda.get_device_name(0), copy_bandwidth_gbs("cuda")
     products = {shape: model_products(shape) for shape in args.shapes}
+    read = Counter()  # bytes each shape reads in one forward of every model: the costliest are tuned first
+    for shapes in products.values():
+        for n, k in shapes:
+            read[(n, k)] += n * k
+    out = Path(args.out) if args.out else table_path(name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(tiles, report):
+        SkinnyGemms(name, tiles).save(out)
+        if args.report:
+            Path(args.report).write_text(json.dumps(
+                [{"n": n, "k": k, "rows": rows, "cublas_ms": c, "tile": str(t), "tile_ms": ms}
+                 for (n, k, rows), (c, t, ms) in sorted(report.items())], indent=1) + "\n")
+
     with torch.inference_mode():
-        tiles, report = tune({s for shapes in products.values() for s in shapes}, device, dtype, timer, sms,
-                             args.margin, args.quick)
+        tiles, report = tune([shape for shape, _ in read.most_common()], device, dtype, timer, sms, args.margin,
+                             args.quick, done=save)
     print(f"\n{name}: copy rate {bw:.0f} GB/s; a table entry beats cuBLAS by >= {args.margin:.0%}")
     for shape, shapes in products.items():
         counts = Counter(shapes)
@@ -197,14 +214,7 @@ def main():
                          else report[(n, k, rows)][0]) * c for (n, k), c in counts.items())
             print(f"  rows {rows:>2d}: cuBLAS {cublas:.3f} ms ({cublas / limit:.2f}x limit) | table {table:.3f} ms "
                   f"({table / limit:.2f}x) | cuBLAS / table {cublas / table:.3f}")
-    out = Path(args.out) if args.out else table_path(name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    SkinnyGemms(name, tiles).save(out)
     print(f"table: {len(tiles)} entries -> {out}")
-    if args.report:
-        Path(args.report).write_text(json.dumps(
-            [{"n": n, "k": k, "rows": rows, "cublas_ms": c, "tile": str(t), "tile_ms": ms}
-             for (n, k, rows), (c, t, ms) in sorted(report.items())], indent=1) + "\n")
 
 
 if __name__ == "__main__":

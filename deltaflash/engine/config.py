@@ -204,8 +204,8 @@ class EngineConfig:
 
         device = torch.device(device)
         if self.skinny_gemm == "auto":  # (eager, two Triton launches cost more host time than cuBLAS's one)
-            if device.type != "cuda" or self.batch_invariant or not graphs:
-                return "off"
+            if device.type != "cuda" or self.batch_invariant or not graphs or not torch.cuda.is_available():
+                return "off"  # (the last: a config resolved for CUDA on a machine without one, in tests)
             table = bundled_table(torch.cuda.get_device_name(device))
             return "off" if table is None else str(table)
         if self.skinny_gemm == "off":

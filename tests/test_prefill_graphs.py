@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.request import SamplingParams
-from deltaflash.engine.graphs import FRESH_PREFILL_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed, prefill_shapes
+from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed,
+                                      prefill_lane_buckets, prefill_shapes)
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize
 from deltaflash.server.metrics import Metrics
@@ -42,10 +43,10 @@ class Replays:
             config = runner.config
             shapes = prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
                                     config.idle_prefill_tokens)
-            runner.prefill_graphs = {T: _Eager(runner._prefill_rows, lanes) for T, lanes in shapes}
+            runner.prefill_graphs = {T: _Eager(runner._prefill_rows, T, lanes) for T, lanes in shapes}
             if runner.kernels.prefill_attention is not None:  # what the runner registers on CUDA
                 first = functools.partial(runner._prefill_rows, starts_sequences=True)
-                runner.fresh_prefill_graphs = {T: _Eager(first, lanes) for T, lanes in shapes
+                runner.fresh_prefill_graphs = {T: _Eager(first, T, lanes) for T, lanes in shapes
                                                if T >= FRESH_PREFILL_MIN_ROWS}
         assert runner.prefill_graphs, "the engine has no prefill graphs"
         for fresh, table in ((False, runner.prefill_graphs), (True, runner.fresh_prefill_graphs)):
@@ -62,8 +63,8 @@ class Replays:
 
 
 class _Eager:
-    def __init__(self, fn, lanes: int):
-        self.fn, self.buckets = fn, tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= lanes)
+    def __init__(self, fn, T: int, lanes: int):
+        self.fn, self.buckets = fn, prefill_lane_buckets(T, lanes)  # the runner's buckets on CUDA
 
     def run(self, *inputs):
         return (self.fn(*inputs),)
@@ -218,6 +219,33 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
         outputs.append(done.token_ids)
     assert outputs[1] == outputs[0]
     assert (replays.shapes, replays.fresh) == ([T], [True])  # the second chunk ran eagerly
+
+
+def test_three_long_chunks_replay_three_lanes_not_four(pair):
+    """Three prompts of 200 rows arriving together at an idle engine go in one step through the 256-row
+    graph's 3-lane bucket (PREFILL_FINE_MIN_ROWS: no padding lane, whose rows would cost full work at this
+    size); a fourth later goes alone. Outputs equal the eager engine's."""
+    assert prefill_lane_buckets(256, 4) == (1, 2, 3, 4) and prefill_lane_buckets(64, 4) == (1, 2, 4)
+    assert prefill_lane_buckets(PREFILL_FINE_MIN_ROWS, 64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert prefill_lane_buckets(512, 5) == (1, 2, 3, 4, 6, 8)  # up to the first power of two >= the lanes
+    config = dict(max_slots=4, max_num_batched_tokens=768, idle_prefill_tokens=768, scale_prefill_budget=False)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    batch = prompts(96, [200, 200, 190, 170], seed=11)
+    outputs, engines = [], (engine_for(pair[0], pair[1], prefill_graphs=False, **config),
+                            engine_for(pair[0], pair[1], **config))
+    replays = Replays(engines[1].runner)
+    for engine in engines:
+        ids = [engine.add_request(p, params) for p in batch[:3]]
+        first = engine.step()
+        ids.append(engine.add_request(batch[3], params))
+        got = {i: [t for ev in first if ev.request_id == i for t in ev.token_ids] for i in ids}
+        assert all(got[i] for i in ids[:3])  # the three prefilled in that one step
+        while engine.has_work():
+            for ev in engine.step():
+                got[ev.request_id] += ev.token_ids
+        outputs.append([got[i] for i in ids])
+    assert outputs[1] == outputs[0]
+    assert replays.shapes[0] == 256 and len(replays.calls[0]) == 3 and -1 not in replays.calls[0]
 
 
 def test_prefill_shapes_cover_the_step_budget():

@@ -31,6 +31,12 @@ FRESH_PREFILL_MIN_ROWS = 1024
 # the flash kernel (ops/attention/dense.py), which no fixed-shape graph can (the run's length varies),
 # and at 2048+ keys that saves more device time than the graph saves host time.
 EAGER_DENSE_MIN_CONTEXT = 2048
+# Prefill graphs of chunks of at least this many rows also get lane buckets of 3 x a power of two (3, 6,
+# 12, 24, ...): three chunks then replay 3 x T rows, not 4 x T. From 3 x 128 rows a step is compute-bound
+# (the 9B shape on the H200: ~190 rows of bf16 GEMM read the weights in the time they compute), so a
+# padding lane costs its rows' full work: the 2026-12-05 C = 64 wave's steps of ~745 prompt rows (two
+# 256-row prompts and most of a third) replayed 4 x 256 rows in 38.3 ms against 27.3 ms for two prompts.
+PREFILL_FINE_MIN_ROWS = 128
 
 
 def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -62,6 +68,16 @@ def buckets_for(max_lanes: int, buckets: Sequence[int] = LANE_BUCKETS) -> tuple[
     """The buckets an engine of `max_lanes` lanes can meet: up to the first one >= max_lanes."""
     top = next((b for b in buckets if b >= max_lanes), buckets[-1])
     return tuple(b for b in buckets if b <= top)
+
+
+def prefill_lane_buckets(rows: int, most: int) -> tuple[int, ...]:
+    """The lane buckets of the prefill graphs of chunks of `rows` rows that hold up to `most` lanes: the
+    powers of two up to the first >= most (buckets_for), and from PREFILL_FINE_MIN_ROWS rows on 3 x the
+    powers of two below that one as well (see there)."""
+    buckets = buckets_for(most)
+    if rows < PREFILL_FINE_MIN_ROWS:
+        return buckets
+    return tuple(sorted(set(buckets) | {3 * b for b in LANE_BUCKETS if 3 * b < buckets[-1]}))
 
 
 def padded_rows_allowed(rows: int) -> int:
@@ -127,9 +143,11 @@ class CudaGraphs:
         self.functions: list[LaneGraphs] = []
         self.capture_s = 0.0
 
-    def add(self, name: str, fn: Callable, inputs: Sequence[tuple], max_lanes: int | None = None) -> LaneGraphs:
-        """Register fn (captured at every bucket, or at those up to max_lanes' bucket)."""
-        buckets = self.buckets if max_lanes is None else buckets_for(max_lanes, self.buckets)
+    def add(self, name: str, fn: Callable, inputs: Sequence[tuple], max_lanes: int | None = None,
+            buckets: tuple[int, ...] | None = None) -> LaneGraphs:
+        """Register fn (captured at every bucket, or at those up to max_lanes' bucket, or at `buckets`)."""
+        if buckets is None:
+            buckets = self.buckets if max_lanes is None else buckets_for(max_lanes, self.buckets)
         graphs = LaneGraphs(name, fn, inputs, buckets, self.device, self.pool)
         self.functions.append(graphs)
         return graphs
@@ -140,8 +158,8 @@ class CudaGraphs:
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        jobs = [(bucket, graphs) for bucket in reversed(self.buckets) for graphs in self.functions
-                if bucket in graphs.buckets]
+        every = sorted({b for graphs in self.functions for b in graphs.buckets}, reverse=True)
+        jobs = [(bucket, graphs) for bucket in every for graphs in self.functions if bucket in graphs.buckets]
         with tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress) as bar:
             for bucket, graphs in bar:
                 bar.set_postfix_str(f"{graphs.name}, {bucket} lanes")

@@ -29,7 +29,7 @@ from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOu
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, CudaGraphs, buckets_for,
-                                      padded_rows_allowed, prefill_shapes)
+                                      padded_rows_allowed, prefill_lane_buckets, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -199,11 +199,13 @@ class ModelRunner:
                                            config.idle_prefill_tokens):
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
-                self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs, lanes)
+                buckets = prefill_lane_buckets(T, lanes)
+                self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs,
+                                                         buckets=buckets)
                 if self.dense_prefill and T >= FRESH_PREFILL_MIN_ROWS:
                     first_chunks = functools.partial(self._prefill_rows, starts_sequences=True)
                     self.fresh_prefill_graphs[T] = self.graphs.add(f"first prefill chunk of {T} rows", first_chunks,
-                                                                   inputs, lanes)
+                                                                   inputs, buckets=buckets)
         self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------

@@ -169,6 +169,25 @@ def test_the_prefill_budget_beside_a_speculative_round_scales_with_its_cost():
         EngineConfig(tensor_parallel_size=2, scale_prefill_budget=True).resolve(torch.device("cpu"), 4)
 
 
+@pytest.mark.parametrize("prompt_len,taken", [(55, [55]), (57, [50, 7])])
+def test_a_scaled_budget_finishes_a_prompt_a_few_tokens_short_of_its_end(prompt_len, taken):
+    """Beside a speculative round (budget 20 scaled to 50), a prompt whose rest after the budget's chunk
+    would be at most an eighth of it (6 tokens) goes in whole, and the plan says so; a longer rest waits
+    for the next step. A step budget not scaled is exact."""
+    costs = RoundCosts(seeds={(2, 1): 1.0, (2, 4): 2.5}, buckets=(1, 2, 4))
+    scheduler, _ = two_decoding_and_a_long_prompt(prompt_len, costs=costs)
+    assert scheduler.prefill_slack(50, 2, 4) == 6 and scheduler.prefill_slack(20, 2, 1) == 0
+    got = []
+    for _ in taken:
+        plan = scheduler.schedule()
+        got += [len(c.tokens) for c in plan.prefill]
+        assert plan.prefill_budget >= got[-1]
+        plan.prefill[0].seq.num_prefilled += got[-1]
+    assert got == taken and plan.prefill[0].last
+    exact, _ = two_decoding_and_a_long_prompt(23, costs=costs, scale_prefill_budget=False)
+    assert [len(c.tokens) for c in exact.schedule().prefill] == [20]  # (3 left: still the next step's)
+
+
 def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):
     """Two streams decode (with a drafter, and plainly) while a 150-token prompt arrives under a 24-token
     step budget (scaled by the speculative rounds' cost up to 48): it is prefilled in chunks within each

@@ -148,7 +148,8 @@ class Scheduler:
             admitted.append(seq)
         released, self._released = tuple(self._released), []
         budget = self.prefill_budget(len(decode), round_width)
-        prefill = tuple(self._prefill_chunks(budget))
+        prefill = tuple(self._prefill_chunks(budget, self.prefill_slack(budget, len(decode), round_width)))
+        budget = max(budget, sum(len(c.tokens) for c in prefill))  # (the plan's: what the step could take)
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill, decode=tuple(decode),
                         widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
@@ -161,10 +162,23 @@ class Scheduler:
         config = self.config
         if not lanes:
             return config.idle_prefill_tokens
-        if round_width <= 1 or self.costs is None or not config.scale_prefill_budget:
+        if not self._scaled(lanes, round_width):
             return config.max_num_batched_tokens
         scaled = int(config.max_num_batched_tokens * self.costs.cost_ratio(lanes, round_width))
         return max(config.max_num_batched_tokens, min(scaled, config.round_prefill_tokens))
+
+    def prefill_slack(self, budget: int, lanes: int, round_width: int) -> int:
+        """Tokens a scaled budget (prefill_budget) may be exceeded by to finish a prompt: an eighth of it, within
+        config.round_prefill_tokens (the prefill graphs' reach). A prompt cut a few tokens short of its end
+        would take a graph lane of its own, padded to a whole chunk, in the next step (the C = 64 wave of
+        256-token prompts under a ~745-token budget: 23-token rests in 4 x 256-row steps). The step budget
+        and the idle budget are the user's, exact."""
+        if not lanes or not self._scaled(lanes, round_width):
+            return 0
+        return max(0, min(budget // 8, self.config.round_prefill_tokens - budget))
+
+    def _scaled(self, lanes: int, round_width: int) -> bool:
+        return round_width > 1 and self.costs is not None and self.config.scale_prefill_budget
 
     def width(self, seq: Sequence) -> int:
         """Most rows the sequence may verify this round: the block, or fewer when fewer tokens are left."""
@@ -243,13 +257,16 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _prefill_chunks(self, budget: int) -> list[PrefillChunk]:
-        """Prompt chunks of at most `budget` tokens in all, oldest prompt first."""
+    def _prefill_chunks(self, budget: int, slack: int = 0) -> list[PrefillChunk]:
+        """Prompt chunks of at most `budget` tokens in all, oldest prompt first; a prompt whose rest would be
+        at most `slack` tokens goes in whole (the step then takes up to `slack` more: prefill_slack)."""
         chunks = []
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
                 continue
             n = min(seq.prompt_left, budget)
+            if seq.prompt_left - n <= slack:
+                n = seq.prompt_left
             start = seq.num_prefilled
             last = n == seq.prompt_left
             chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,

@@ -51,6 +51,8 @@ class EngineConfig:
         step as beside plain decoding: the running streams' stall relative to their round is what it is
         without speculation, and prompts go in at the same wall-clock rate (H200, 9B shape and demo pair:
         speculative TTFT p50 51 against 70 ms at 16 clients, 73 against 89 ms at 64; docs/benchmarks.md).
+        A prompt the scaled budget would cut at most an eighth of it short of its end goes in whole
+        (Scheduler.prefill_slack: its rest would take a padded graph lane of its own in the next step).
         None: on for speculative engines of one rank (ranks must plan alike; their timings differ).
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`

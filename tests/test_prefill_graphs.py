@@ -224,7 +224,8 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
 def test_three_long_chunks_replay_three_lanes_not_four(pair):
     """Three prompts of 200 rows arriving together at an idle engine go in one step through the 256-row
     graph's 3-lane bucket (PREFILL_FINE_MIN_ROWS: no padding lane, whose rows would cost full work at this
-    size); a fourth later goes alone. Outputs equal the eager engine's."""
+    size); a fourth later goes alone. Outputs equal the eager engine's. Three shorter ones (400 rows) run
+    eagerly: the finer buckets pad less but never turn an eager step into a replay."""
     assert prefill_lane_buckets(256, 4) == (1, 2, 3, 4) and prefill_lane_buckets(64, 4) == (1, 2, 4)
     assert prefill_lane_buckets(PREFILL_FINE_MIN_ROWS, 64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     assert prefill_lane_buckets(512, 5) == (1, 2, 3, 4, 6, 8)  # up to the first power of two >= the lanes
@@ -246,6 +247,15 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
         outputs.append([got[i] for i in ids])
     assert outputs[1] == outputs[0]
     assert replays.shapes[0] == 256 and len(replays.calls[0]) == 3 and -1 not in replays.calls[0]
+    # 400 rows in three chunks: 3 x 256 would be allowed (padded_rows_allowed), 4 x 256 is not, and the
+    # power-of-two bucket decides graph or eager - the step runs eagerly, as before the finer buckets
+    engine = engine_for(pair[0], pair[1], **config)
+    replays = Replays(engine.runner)
+    assert 3 * 256 <= padded_rows_allowed(400) < 4 * 256
+    for p in prompts(96, [140, 130, 130], seed=12):
+        engine.add_request(p, params)
+    engine.step()
+    assert replays.shapes == [] and engine.stats["prefill_tokens"] == 400
 
 
 def test_prefill_shapes_cover_the_step_budget():

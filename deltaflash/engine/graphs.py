@@ -36,6 +36,8 @@ EAGER_DENSE_MIN_CONTEXT = 2048
 # (the 9B shape on the H200: ~190 rows of bf16 GEMM read the weights in the time they compute), so a
 # padding lane costs its rows' full work: the 2026-12-05 C = 64 wave's steps of ~745 prompt rows (two
 # 256-row prompts and most of a third) replayed 4 x 256 rows in 38.3 ms against 27.3 ms for two prompts.
+# Whether a step replays a graph at all is judged at its power-of-two bucket (runner._prefill_replay): these
+# buckets only pad less, they never turn an eager step into a padded replay.
 PREFILL_FINE_MIN_ROWS = 128
 
 
@@ -68,6 +70,14 @@ def buckets_for(max_lanes: int, buckets: Sequence[int] = LANE_BUCKETS) -> tuple[
     """The buckets an engine of `max_lanes` lanes can meet: up to the first one >= max_lanes."""
     top = next((b for b in buckets if b >= max_lanes), buckets[-1])
     return tuple(b for b in buckets if b <= top)
+
+
+def prefill_tile(rows: int) -> int:
+    """The rows T of the prefill graph shape a chunk of `rows` rows pads to (64, 128, 256, ...)."""
+    tile = PREFILL_ROWS
+    while tile < rows:
+        tile *= 2
+    return tile
 
 
 def prefill_lane_buckets(rows: int, most: int) -> tuple[int, ...]:

@@ -431,8 +431,8 @@ class ModelRunner:
         if all(c.start == 0 for c in chunks):  # first chunks only: their attention reads no page
             graphs = self.fresh_prefill_graphs.get(shape, graphs)
         lanes = next((b for b in graphs.buckets if b >= L), None)
-        rows = sum(len(c.tokens) for c in chunks)
-        if lanes is None or lanes * shape > padded_rows_allowed(rows):
+        rows = sum(len(c.tokens) for c in chunks)  # (graph or eager: judged at the power-of-two bucket, so the
+        if lanes is None or buckets_for(L)[-1] * shape > padded_rows_allowed(rows):  # 3 x 2^k ones only pad less)
             return None
         slots = [c.seq.slot for c in chunks]
         spare = 0 if lanes == L else next((s for s in range(self.pool.num_slots) if s not in slots), None)

@@ -25,6 +25,7 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.graphs import prefill_tile
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
@@ -259,14 +260,15 @@ class Scheduler:
 
     def _prefill_chunks(self, budget: int, slack: int = 0) -> list[PrefillChunk]:
         """Prompt chunks of at most `budget` tokens in all, oldest prompt first; a prompt whose rest would be
-        at most `slack` tokens goes in whole (the step then takes up to `slack` more: prefill_slack)."""
+        at most `slack` tokens goes in whole (the step then takes up to `slack` more: prefill_slack) where
+        the whole pads to the same graph shape as the cut chunk."""
         chunks = []
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
                 continue
             n = min(seq.prompt_left, budget)
-            if seq.prompt_left - n <= slack:
-                n = seq.prompt_left
+            if seq.prompt_left - n <= slack and prefill_tile(seq.prompt_left) == prefill_tile(n):
+                n = seq.prompt_left  # (not where the whole would need a longer graph shape than the cut)
             start = seq.num_prefilled
             last = n == seq.prompt_left
             chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,

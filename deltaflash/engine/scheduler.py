@@ -163,7 +163,7 @@ class Scheduler:
         config = self.config
         if not lanes:
             return config.idle_prefill_tokens
-        if not self._scaled(lanes, round_width):
+        if not self._scaled(round_width):
             return config.max_num_batched_tokens
         scaled = int(config.max_num_batched_tokens * self.costs.cost_ratio(lanes, round_width))
         return max(config.max_num_batched_tokens, min(scaled, config.round_prefill_tokens))
@@ -174,11 +174,12 @@ class Scheduler:
         would take a graph lane of its own, padded to a whole chunk, in the next step (the C = 64 wave of
         256-token prompts under a ~745-token budget: 23-token rests in 4 x 256-row steps). The step budget
         and the idle budget are the user's, exact."""
-        if not lanes or not self._scaled(lanes, round_width):
+        if not lanes or not self._scaled(round_width):
             return 0
         return max(0, min(budget // 8, self.config.round_prefill_tokens - budget))
 
-    def _scaled(self, lanes: int, round_width: int) -> bool:
+    def _scaled(self, round_width: int) -> bool:
+        """Whether a step beside a round of `round_width` rows scales its prefill budget (a speculative round)."""
         return round_width > 1 and self.costs is not None and self.config.scale_prefill_budget
 
     def width(self, seq: Sequence) -> int:

@@ -86,6 +86,7 @@ def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):
         pre = point["prefill_steps"]
         assert pre["steps"] >= 1 and pre["tokens_mean"] * pre["steps"] == pytest.approx(6 * point["requests"])
         assert 0 < pre["tokens_mean"] <= pre["budget_mean"] and pre["beside_a_round"] <= pre["steps"]
+        assert pre["rows_per_token"] == 1.0  # (no prefill graph on the CPU: no padding row)
     limit = result["figures"]["spec_c1_over_tau_weight_read_limit"]
     assert limit["value"] > 0 and limit["weight_read_ms"] > 0
 

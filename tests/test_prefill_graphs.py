@@ -235,9 +235,10 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
     outputs, engines = [], (engine_for(pair[0], pair[1], prefill_graphs=False, **config),
                             engine_for(pair[0], pair[1], **config))
     replays = Replays(engines[1].runner)
+    reports = []
     for engine in engines:
         ids = [engine.add_request(p, params) for p in batch[:3]]
-        first = engine.step()
+        first = engine.step(on_report=reports.append)
         ids.append(engine.add_request(batch[3], params))
         got = {i: [t for ev in first if ev.request_id == i for t in ev.token_ids] for i in ids}
         assert all(got[i] for i in ids[:3])  # the three prefilled in that one step
@@ -247,6 +248,8 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
         outputs.append([got[i] for i in ids])
     assert outputs[1] == outputs[0]
     assert replays.shapes[0] == 256 and len(replays.calls[0]) == 3 and -1 not in replays.calls[0]
+    assert [(r.prefill_tokens, r.prefill_rows, r.prefill_graphed) for r in reports] == [(590, 590, False),
+                                                                                         (590, 768, True)]
     # 400 rows in three chunks: 3 x 256 would be allowed (padded_rows_allowed), 4 x 256 is not, and the
     # power-of-two bucket decides graph or eager - the step runs eagerly, as before the finer buckets
     engine = engine_for(pair[0], pair[1], **config)
@@ -254,8 +257,9 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
     assert 3 * 256 <= padded_rows_allowed(400) < 4 * 256
     for p in prompts(96, [140, 130, 130], seed=12):
         engine.add_request(p, params)
-    engine.step()
-    assert replays.shapes == [] and engine.stats["prefill_tokens"] == 400
+    reports = []
+    engine.step(on_report=reports.append)
+    assert replays.shapes == [] and (reports[0].prefill_rows, reports[0].prefill_graphed) == (400, False)
 
 
 def test_prefill_shapes_cover_the_step_budget():

@@ -235,6 +235,9 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
                             "step_p50_ms": 1e3 * percentile([s for s, _ in prefilling], 50) if n else None,
                             "tokens_mean": sum(r.prefill_tokens for _, r in prefilling) / n if n else None,
                             "budget_mean": sum(r.prefill_budget for _, r in prefilling) / n if n else None,
+                            # rows computed per prompt token (a replayed graph's padding included; 1.0: none)
+                            "rows_per_token": sum(r.prefill_rows for _, r in prefilling) /
+                            max(1, sum(r.prefill_tokens for _, r in prefilling)) if n else None,
                             # the rounds beside them: lanes and the widest lane's rows (what a step pays beside its prefill)
                             "lanes_mean": sum(r.decode_lanes for _, r in prefilling) / n if n else None,
                             "round_rows_mean": sum(max(r.widths, default=0) for _, r in prefilling) / n if n else None}

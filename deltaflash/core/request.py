@@ -228,6 +228,7 @@ class StepReport:
     device_idle_s: float | None = None  # CUDA: the device's wait for the host since the previous step (None: not measured)
     tree_budget: int = 0  # the round verified trees of this many nodes (0: chains, or no speculation)
     prefill_budget: int = 0  # the most prompt tokens the step could prefill (the scheduler's budget)
+    prefill_rows: int = 0  # rows its prefill computed: prompt tokens, or a replayed graph's padded lanes x T
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,7 @@ class Engine:
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
                                  len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted),
                                  result.prefill_graphed, result.device_idle_s, plan.tree_budget,
-                                 plan.prefill_budget))
+                                 plan.prefill_budget, result.prefill_rows))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:

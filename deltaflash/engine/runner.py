@@ -70,6 +70,7 @@ class StepResult:
     phases: RoundPhases = RoundPhases()
     prefill_graphed: bool = False  # the step's prefill replayed a prefill graph
     device_idle_s: float | None = None  # the device's wait for this step since the previous one (IdleClock)
+    prefill_rows: int = 0  # rows the step's prefill computed: a replayed graph's lanes x T, padding included
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ class ModelRunner:
             if self.source is not None:
                 self.source.reset(seq.slot)
         t0 = time.perf_counter()
-        first, graphed = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, False)
+        first, graphed = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, 0)
         t1 = clock = time.perf_counter()
         round_, marks = None, []
         if plan.decode:
@@ -377,16 +378,18 @@ class ModelRunner:
             phases = RoundPhases(drafted - clock, verified - drafted, read - verified - overlap_s, self._now() - read)
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
                           decode_s=time.perf_counter() - t1 - overlap_s if round_ else 0.0, phases=phases,
-                          prefill_graphed=graphed, device_idle_s=idle)
+                          prefill_graphed=graphed > 0, device_idle_s=idle,
+                          prefill_rows=graphed or sum(len(c.tokens) for c in plan.prefill))
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, bool]:
         """Run the chunks (`alone`: the step decodes nothing); returns (the first tokens [n, 1] of the
-        chunks that complete their prompt, or None; whether a prefill graph ran them)."""
+        chunks that complete their prompt, or None; the rows of the prefill graph that ran them, padding
+        included, or 0 where they ran eagerly)."""
         one = chunks[0]
         long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
             and dense_attention.gathers(one.start, len(one.tokens))
-        logits = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
-        graphed = logits is not None
+        replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
+        logits, graphed = replayed if replayed is not None else (None, 0)
         if logits is None:
             batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
             logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
@@ -419,8 +422,9 @@ class ModelRunner:
         self._append_prompt_rows(batch, taps, graphs=False)
         return logits
 
-    def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> Tensor | None:
-        """The chunks' logits [n, V] from the prefill graph of the smallest shape that holds them, or
+    def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Tensor, int] | None:
+        """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph of the smallest
+        shape that holds them, or
         None when none does, when it would pad more than about twice their rows, or when padding lanes
         would find no slot outside the batch to keep their state in."""
         L, T = len(chunks), max(len(c.tokens) for c in chunks)
@@ -447,7 +451,7 @@ class ModelRunner:
         (logits,) = graphs.run(input_ids.view(lanes, shape), slot_ids, start, n_rows, state_slots)
         for c in chunks:  # what extend records from a batch's host mirrors
             self.pool.lengths[c.seq.slot] = c.start + len(c.tokens)
-        return logits[:L]
+        return logits[:L], lanes * shape
 
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width

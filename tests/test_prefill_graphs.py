@@ -154,9 +154,12 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     assert replays.calls, "no prefill step replayed a graph"
     assert any(-1 in slots for slots in replays.calls), "no replay had a padding lane"
     assert graphed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
-    steps = {s.labels["path"]: s.value for f in text_string_to_metric_families(metrics.render().decode())
-             for s in f.samples if s.name == "deltaflash_prefill_steps_total"}
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
+    steps = {s.labels["path"]: s.value for s in samples if s.name == "deltaflash_prefill_steps_total"}
     assert steps["graph"] == len(replays.calls) and steps["eager"] > 0  # /metrics tells the two apart
+    rows = {s.labels["path"]: s.value for s in samples if s.name == "deltaflash_prefill_rows_total"}
+    prefilled = next(s.value for s in samples if s.name == "deltaflash_prefill_tokens_per_step_sum")
+    assert prefilled == graphed.stats["prefill_tokens"] < rows["graph"] + rows["eager"]  # the padding rows
 
 
 def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):

@@ -66,6 +66,10 @@ class Metrics:
         self.prefill_steps = Counter("deltaflash_prefill_steps", "Steps that prefilled, by how: 'graph' replayed a "
                                      "prefill CUDA graph, 'eager' fit none (or padding would double it)", ["path"],
                                      registry=r)
+        self.prefill_rows = Counter("deltaflash_prefill_rows", "Rows the prefill steps computed: their prompt "
+                                    "tokens, and a replayed prefill graph's padding rows (lanes x chunk rows); over "
+                                    "deltaflash_prefill_tokens_per_step_sum, 1 means no padding", ["path"],
+                                    registry=r)
         self.phase_seconds = Histogram("deltaflash_round_phase_seconds", "Host seconds per round phase",
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.device_idle = Histogram("deltaflash_device_idle_seconds",
@@ -90,7 +94,9 @@ class Metrics:
             self.phase_seconds.labels(phase="prefill").observe(report.prefill_s)
             self.prefill_tokens_per_step.observe(report.prefill_tokens)
             self.prefill_budget.observe(report.prefill_budget)
-            self.prefill_steps.labels(path="graph" if report.prefill_graphed else "eager").inc()
+            path = "graph" if report.prefill_graphed else "eager"
+            self.prefill_steps.labels(path=path).inc()
+            self.prefill_rows.labels(path=path).inc(report.prefill_rows or report.prefill_tokens)
         if report.decode_lanes:
             self.phase_seconds.labels(phase="decode").observe(report.decode_s)
             kind = "tree" if report.tree_budget else "chain" if any(w > 1 for w in report.widths) else "plain"

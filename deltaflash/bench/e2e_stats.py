@@ -90,11 +90,12 @@ def report(result: dict) -> None:
                 f"{g['tokens_per_lane']:.2f} tokens/lane" for w, g in p["by_round_width"].items()))
         pre = p.get("prefill_steps")
         if pre and pre["steps"]:
+            rows = pre.get("rows_per_token")  # (None in JSON written before it was recorded)
             print(f"  C={p['concurrency']} {p['mode']}, steps that prefilled: {pre['steps']} "
                   f"({pre['beside_a_round']} beside a round) x {pre['step_p50_ms']:.2f} ms, "
                   f"{pre['tokens_mean']:.0f} prompt tokens of a {pre['budget_mean']:.0f}-token budget beside "
                   f"{pre['lanes_mean']:.1f} lanes of {pre['round_rows_mean']:.1f} rows on average"
-                  + (f", {pre['rows_per_token']:.2f} rows computed per prompt token" if pre.get("rows_per_token") else ""))
+                  + (f", {rows:.2f} rows computed per prompt token" if rows else ""))
         if p["mode"] == "spec":
             for d in p.get("first_differences", []):
                 gap = f"; log-prob gap {d['gap']:.4f}" if d.get("gap") is not None else ""

@@ -381,7 +381,7 @@ class ModelRunner:
                           prefill_graphed=graphed > 0, device_idle_s=idle,
                           prefill_rows=graphed or sum(len(c.tokens) for c in plan.prefill))
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, bool]:
+    def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, int]:
         """Run the chunks (`alone`: the step decodes nothing); returns (the first tokens [n, 1] of the
         chunks that complete their prompt, or None; the rows of the prefill graph that ran them, padding
         included, or 0 where they ran eagerly)."""

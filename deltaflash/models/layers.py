@@ -1,6 +1,7 @@
 """Building blocks of the Qwen3.5 text stack. Ops with a kernel (norms, MoE experts) run the
 implementation of the `Kernels` set passed to the forward (ops/kernels.py). Products run through each
-module's `linear` (F.linear; `route_products` swaps in another GEMM: ops/gemm's batch-invariant or skinny kernels)."""
+module's `linear` (F.linear; `route_products` swaps in another GEMM: ops/gemm's batch-invariant or
+skinny kernels)."""
 
 from __future__ import annotations
 

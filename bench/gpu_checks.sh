@@ -13,7 +13,9 @@
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
 # e.g. "--fp-fusion,--widen-at-load"); skinny: SKINNY_ARGS (tune_skinny.py's, e.g. "--quick" or "--shapes 9b");
-# skinnyround: SKINNY_TABLE (default OUT/skinny-tiles.json, the skinny step's); itl2k: ITL_BUDGETS ("512"); e2etau: TAUS ("6 3"), SPECULATION (auto); prefillscale (the scripted e2e
+# skinnyround: SKINNY_TABLE (default OUT/skinny-tiles.json, the skinny step's); itl2k: ITL_BUDGETS ("512");
+# e2etau: TAUS ("6 3"), SPECULATION (auto), PROMPT_LEN_MAX (prompts of 128 to that many tokens, not 256 each);
+# prefillscale (the scripted e2e
 # with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
 # PS_CONCURRENCY ("16 64"), SPECULATION. specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
@@ -94,7 +96,8 @@ for step in "$@"; do
         e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
         e2etau) for tau in ${TAUS:-6 3}; do  # issue 16: scripted tau 6 / 3 at the serve defaults, every load
                     run e2etau 300 python3 -m deltaflash bench e2e --workload scripted --tau $tau --prompts 16 \
-                        --concurrency 1 4 16 64 --no-profile --speculation ${SPECULATION:-auto} --out "$OUT/tau$tau" --quiet
+                        --concurrency 1 4 16 64 --no-profile --speculation ${SPECULATION:-auto} --out "$OUT/tau$tau" --quiet \
+                        ${PROMPT_LEN_MAX:+--prompt-len 128 --prompt-len-max $PROMPT_LEN_MAX}
                 done ;;
         prefillscale) work=${PS_WORKLOAD:-scripted}  # the prefill budget beside a round scaled by its cost, or not
                       for scale in scale no-scale; do

@@ -9,6 +9,7 @@ import pytest
 
 from deltaflash.bench import e2e, e2e_stats
 from deltaflash.core.request import SamplingParams
+from deltaflash.errors import DeltaflashError
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 
@@ -68,6 +69,21 @@ def test_workload_engines_take_the_options_given(tmp_path, workload):
     assert plain.config.tree_budget == 0 and plain.config.block_size == 1
     assert spec.config.max_num_batched_tokens == plain.config.max_num_batched_tokens == 96
     assert spec.config.skinny_gemm == plain.config.skinny_gemm == str(tmp_path / "tiles.json")
+
+
+def test_scripted_prompts_of_varied_length(tmp_path):
+    """--prompt-len-max draws each scripted prompt's length in [--prompt-len, it] (the prefill graphs' padding
+    at lengths that do not divide the budget); below --prompt-len it is an error."""
+    model_dir = save_checkpoint(build_hf_model("dense_gqa", seed=4), tmp_path / "target")
+    args = parse("--workload", "scripted", "--model", str(model_dir), "--prompts", "12", "--prompt-len", "5",
+                 "--prompt-len-max", "30", "--max-new-tokens", "4", "--device", "cpu")
+    workload = e2e._scripted_workload(args, max_slots=2)
+    lengths = [len(p) for p in workload.prompts]
+    assert all(5 <= n <= 30 for n in lengths) and len(set(lengths)) > 3
+    assert (workload.meta["prompt_len"], workload.meta["prompt_len_max"]) == (5, 30)
+    with pytest.raises(DeltaflashError, match="--prompt-len-max 4 is below --prompt-len 5"):
+        e2e._scripted_workload(parse("--workload", "scripted", "--model", str(model_dir), "--prompt-len", "5",
+                                     "--prompt-len-max", "4", "--device", "cpu"), max_slots=2)
 
 
 def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):

@@ -122,7 +122,12 @@ def _scripted_workload(args, max_slots: int) -> Workload:
         shape = "Qwen3.5-9B shape (random bf16 weights, copy-biased: see random_model)"
     cfg = model.cfg
     gen = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    if args.prompt_len_max is not None and args.prompt_len_max < args.prompt_len:
+        raise DeltaflashError(f"--prompt-len-max {args.prompt_len_max} is below --prompt-len {args.prompt_len}")
+    longest = args.prompt_len if args.prompt_len_max is None else args.prompt_len_max
+    lengths = [args.prompt_len] * args.prompts if args.prompt_len_max is None else \
+        torch.randint(args.prompt_len, longest + 1, (args.prompts,), generator=gen).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     W = args.block_size or 16
     config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant,
@@ -153,6 +158,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     label = f"scripted drafter (target's greedy continuation, {corrupt:.1%} corrupted, expected tau {tau:.2f}), {shape}"
     return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
                     meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
+                          "prompt_len_max": longest,
                           "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
                           "tree_max_lanes": args.tree_max_lanes, "speculation": args.speculation,
                           "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth}, device=device)
@@ -454,6 +460,8 @@ def register(sub) -> None:
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")
     p.add_argument("--layers", type=int, default=32, help="scripted: layers of the 9B shape")
     p.add_argument("--prompt-len", type=int, default=256, help="scripted: tokens per random prompt")
+    p.add_argument("--prompt-len-max", type=int, default=None,
+                   help="scripted: prompt lengths uniform in [--prompt-len, this] (default: all --prompt-len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-profile", action="store_true", help="skip the phase-profile pass")
     p.add_argument("--max-model-len", type=int, default=None,

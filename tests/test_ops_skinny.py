@@ -159,6 +159,27 @@ def test_an_engine_routes_its_round_products_through_the_table(monkeypatch):
         assert tuple(model.lm_head_weight.shape) in shapes_called and tuple(drafter.fc.weight.shape) in shapes_called
 
 
+def test_routed_products_are_restored_to_f_linear():
+    """route_products points every product (nn.Linear layers and modules' `linear`) at a GEMM and back: a
+    runner given a model an earlier engine routed restores F.linear when its own config asks for cuBLAS."""
+    from deltaflash.models.layers import is_routed, route_products
+    from deltaflash.models.qwen3_5 import Qwen35Model
+    from deltaflash.models.random_init import toy_config
+
+    model = Qwen35Model(toy_config(2)).merge_projections()
+    assert not is_routed(model)
+    gemms = SkinnyGemms("test", {})
+    route_products(model, gemms.linear)
+    assert is_routed(model) and model.linear == gemms.linear and model.layers[0].mlp.linear == gemms.linear
+    assert all(m.product == gemms.linear for m in model.modules() if isinstance(m, RoutedLinear))
+    route_products(model, F.linear)
+    routed = [m for m in model.modules() if isinstance(m, RoutedLinear)]
+    assert model.linear is F.linear and routed and all(m.product is F.linear for m in routed)
+    out_proj = model.layers[0].linear_attn.out_proj
+    x = torch.randn(3, out_proj.in_features)
+    assert torch.equal(out_proj(x), F.linear(x, out_proj.weight))
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_product_weights_are_one_forwards_products(tied):
     """The 9B shape (4 layers, on the meta device): four products a layer (merged input projections, their

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
@@ -15,23 +14,12 @@ from deltaflash.errors import DeltaflashError
 from deltaflash.models.dflash import load_drafter
 from deltaflash.models.layers import RoutedLinear, product_weights
 from deltaflash.ops.gemm import skinny
-from deltaflash.ops.gemm.skinny import (MAX_ROWS, SkinnyGemms, SkinnyTile, bundled_table, skinny_linear,
-                                        skinny_linear_kernel, table_key)
+from deltaflash.ops.gemm.skinny import MAX_ROWS, SkinnyGemms, SkinnyTile, bundled_table, skinny_linear, table_key
 from tests.spec_pairs import engine_for, make_pair, prompts
+from tests.test_ops_gemm import DEVICE, HALF, INTERPRETED, operands  # the GEMM tests' device and operands
 
-INTERPRETED = isinstance(skinny_linear_kernel, InterpretedFunction)
-DEVICE = "cpu" if INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
                                 reason="kernel tests need TRITON_INTERPRET=1 before import, or CUDA")
-HALF = torch.float16 if INTERPRETED else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-
-
-def operands(M, K, N, dtype, bias, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(N, generator=g).to(DEVICE, dtype) if bias else None
-    return x, w, b
 
 
 def reference(x, w, b):

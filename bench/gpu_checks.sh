@@ -4,8 +4,8 @@
 # wheels carried in .whl/): run a few steps per device call, e.g.
 #   bash bench/gpu_checks.sh "$OUT" tests tune kernels        # call 1
 #   bash bench/gpu_checks.sh "$OUT" target                    # call 2
-#   bash bench/gpu_checks.sh "$OUT" round profile e2e6        # call 3
-# Steps: tests spec target tune tunebuild tuneconv skinny skinnyround kernels round profile demo first e2e6 e2e3 e2etau e2edemo e2epair attention paged longctx
+#   bash bench/gpu_checks.sh "$OUT" round profile e2etau      # call 3
+# Steps: tests spec target tune tunebuild tuneconv skinny skinnyround kernels round profile demo first e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
@@ -93,7 +93,6 @@ for step in "$@"; do
         firstpair) for flag in --no-round-graphs --round-graphs; do  # start-up and first requests without round graphs and with
                        run firstpair 240 python3 bench/first_requests.py --out "$OUT/first$flag.json" -- $flag
                    done ;;
-        e2e6) run e2e6 240 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompts 8 --out "$OUT/tau6" --quiet ;;
         e2etau) for tau in ${TAUS:-6 3}; do  # issue 16: scripted tau 6 / 3 at the serve defaults, every load
                     run e2etau 300 python3 -m deltaflash bench e2e --workload scripted --tau $tau --prompts 16 \
                         --concurrency 1 4 16 64 --no-profile --speculation ${SPECULATION:-auto} --out "$OUT/tau$tau" --quiet \
@@ -115,7 +114,6 @@ for step in "$@"; do
                          done
                          rm -f "$OUT"/demo-$s/*.png "$OUT"/tau*-$s/*.png  # the device returns ~8 files: JSON only
                      done ;;
-        e2e3) run e2e3 200 python3 -m deltaflash bench e2e --workload scripted --tau 3 --prompts 8 --out "$OUT/tau3" --quiet ;;
         e2epair) for tree in . "${OLD_TREE:?e2epair: set OLD_TREE to an exported older tree}"; do  # same command, two trees
                      for len in "" 320; do  # HEAD also at the old tree's max_model_len (its prompts + 129)
                          [ "$tree" != . ] && [ -n "$len" ] && continue

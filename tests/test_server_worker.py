@@ -82,7 +82,7 @@ def test_request_timeout_retires_at_a_round_boundary(folder):
     sched.submit(job("slow", [1, 2, 3], log, 250))
     outs = log.wait("slow")
     assert outs[-1].finish_reason == "cancelled" and outs[-1].completion_tokens < 250
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 >= 0.3  # not before its timeout
     sched.close()
     assert metrics.requests.labels(outcome="timeout")._value.get() == 1
     assert engine.num_live == 0

@@ -13,7 +13,8 @@
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
 # e.g. "--fp-fusion,--widen-at-load"); skinny: SKINNY_ARGS (tune_skinny.py's, e.g. "--quick" or "--shapes 9b");
-# skinnyround: SKINNY_TABLE (default OUT/skinny-tiles.json, the skinny step's); itl2k: ITL_BUDGETS ("512");
+# skinnyround: SKINNY_TABLE (default OUT/skinny-tiles.json, the skinny step's); itl2k: ITL_BUDGETS ("512"), ITL_STALLS
+# ("0": --max-prefill-stall values), ITL_CONCURRENCY ("8 32");
 # e2etau: TAUS ("6 3"), SPECULATION (auto), PROMPT_LEN_MAX (prompts of 128 to that many tokens, not 256 each);
 # prefillscale (the scripted e2e
 # with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
@@ -206,10 +207,12 @@ for step in "$@"; do
                         --routes fused --rounds 6 --json "$OUT/round-27b-tp$size.json"
                 fi
             done ;;
-        itl2k) for budget in ${ITL_BUDGETS:-512}; do  # issue 15: ITL p99 <= 3x p50 (each --max-num-batched-tokens)
-                   run itl2k 300 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompt-len 2048 \
-                       --prompts 32 --concurrency 8 32 --no-profile --max-num-batched-tokens $budget \
-                       --out "$OUT/itl2k-$budget" --quiet
+        itl2k) for budget in ${ITL_BUDGETS:-512}; do  # issue 15: ITL p99 <= 3x p50 (each --max-num-batched-tokens
+                   for stall in ${ITL_STALLS:-0}; do       # and --max-prefill-stall)
+                       run itl2k 300 python3 -m deltaflash bench e2e --workload scripted --tau 6 --prompt-len 2048 \
+                           --prompts 32 --concurrency ${ITL_CONCURRENCY:-8 32} --no-profile --max-num-batched-tokens $budget \
+                           --max-prefill-stall $stall --out "$OUT/itl2k-$budget-stall$stall" --quiet
+                   done
                done ;;
         prefillattn) run prefillattn 60 python3 bench/prefill_attention.py ;;  # paged kernel vs the dense route
         chunkprofile) run chunkprofile 150 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 10 ;;  # issue 15

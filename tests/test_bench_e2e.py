@@ -53,13 +53,13 @@ def empty_skinny_table(folder: Path) -> Path:
 
 @pytest.mark.parametrize("workload", ["demo", "scripted"])
 def test_workload_engines_take_the_options_given(tmp_path, workload):
-    """--tree-budget, --tree-top-k, --speculation, --max-model-len, --max-num-batched-tokens and --skinny-gemm
-    reach the engines the sweep measures (a lost keyword once made the demo sweep measure chains under a tree
+    """--tree-budget, --tree-top-k, --speculation, --max-model-len, --max-num-batched-tokens, --max-prefill-stall
+    and --skinny-gemm reach the engines the sweep measures (a lost keyword once made the demo sweep measure chains under a tree
     flag); target-only has no tree."""
     args = parse("--workload", workload, "--prompts", "1", "--max-new-tokens", "4", "--prompt-lines", "2",
                  "--device", "cpu", "--tree-budget", "6", "--tree-top-k", "2", "--speculation", "fixed",
                  "--max-model-len", "192", "--layers", "1", "--prompt-len", "8", "--max-num-batched-tokens", "96",
-                 "--skinny-gemm", str(empty_skinny_table(tmp_path)),
+                 "--max-prefill-stall", "2.5", "--skinny-gemm", str(empty_skinny_table(tmp_path)),
                  *(["--model", str(save_checkpoint(build_hf_model("dense_gqa"), tmp_path / "t"))]
                    if workload == "scripted" else []))
     make = e2e._demo_workload if workload == "demo" else e2e._scripted_workload
@@ -68,6 +68,7 @@ def test_workload_engines_take_the_options_given(tmp_path, workload):
     assert spec.config.max_model_len == plain.config.max_model_len == 192
     assert plain.config.tree_budget == 0 and plain.config.block_size == 1
     assert spec.config.max_num_batched_tokens == plain.config.max_num_batched_tokens == 96
+    assert spec.config.max_prefill_stall == plain.config.max_prefill_stall == 2.5 and plain.scheduler.costs is not None
     assert spec.config.skinny_gemm == plain.config.skinny_gemm == str(tmp_path / "tiles.json")
 
 

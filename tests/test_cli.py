@@ -108,6 +108,7 @@ def test_serve_rejects_bad_flags_fast_before_loading(folder, tmp_path):
              (["--tree-budget", "8"], ("--tree-budget", "--draft")),
              (["--gpu-memory-utilization", "1.5"], ("--gpu-memory-utilization", "(0, 1]")),
              (["--page-size", "0"], ("--page-size", ">= 1")),
+             (["--max-prefill-stall", "-1"], ("--max-prefill-stall", ">= 0")),
              (["--skinny-gemm", str(tmp_path / "tiles.json")], ("--skinny-gemm", "not a skinny GEMM table"))]
     procs = [subprocess.Popen([sys.executable, "-m", "deltaflash", "serve", "--model", str(damaged), "--device", "cpu",
                                "--host", "127.0.0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -118,6 +119,23 @@ def test_serve_rejects_bad_flags_fast_before_loading(folder, tmp_path):
         one_line_error(subprocess.CompletedProcess([], rc, out, err), *words)
     damaged_run = run_cli("serve", "--model", str(damaged), "--device", "cpu", "--host", "127.0.0.1", "--port", "0")
     one_line_error(damaged_run, ".safetensors")  # (good flags: loading then fails on the garbage, as it should)
+
+
+def test_serve_flags_reach_the_engine(folder):
+    """The prefill flags of `deltaflash serve` reach the engine it builds."""
+    import argparse
+
+    from deltaflash.server import cli as serve_cli
+    from deltaflash.server.launcher import build_engine
+
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", str(folder), "--device", "cpu", "--max-concurrency", "2",
+                              "--max-num-batched-tokens", "96", "--idle-prefill-tokens", "160",
+                              "--max-prefill-stall", "2.5", "--max-model-len", "128"])
+    config = build_engine(args).config
+    assert (config.max_slots, config.max_num_batched_tokens, config.idle_prefill_tokens, config.max_prefill_stall) \
+        == (2, 96, 160, 2.5)
 
 
 def test_a_benchmark_returning_its_result_exits_zero(monkeypatch):

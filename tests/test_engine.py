@@ -99,10 +99,10 @@ def test_scheduler_widths_follow_the_tokens_left():
 
 
 def two_decoding_and_a_long_prompt(prompt_len: int, costs: RoundCosts | None = None, idle_prefill_tokens: int = 100,
-                                   **options) -> tuple[Scheduler, list[Sequence]]:
+                                   max_num_batched_tokens: int = 20, **options) -> tuple[Scheduler, list[Sequence]]:
     """A scheduler (step budget 20, block 4) whose lanes a and b decode, with a `prompt_len`-token prompt waiting."""
-    config = EngineConfig(max_slots=4, max_num_batched_tokens=20, idle_prefill_tokens=idle_prefill_tokens,
-                          block_size=4, **options).resolve(torch.device("cpu"), 4)
+    config = EngineConfig(max_slots=4, max_num_batched_tokens=max_num_batched_tokens,
+                          idle_prefill_tokens=idle_prefill_tokens, block_size=4, **options).resolve(torch.device("cpu"), 4)
     scheduler = Scheduler(config, num_pages=1000, costs=costs)
     running = [sequence(rid, 3, max_new=50) for rid in "ab"]
     for seq in running:
@@ -167,6 +167,84 @@ def test_the_prefill_budget_beside_a_speculative_round_scales_with_its_cost():
     assert not EngineConfig(tensor_parallel_size=2).resolve(torch.device("cpu"), 4).scale_prefill_budget
     with pytest.raises(DeltaflashError, match="scale_prefill_budget"):
         EngineConfig(tensor_parallel_size=2, scale_prefill_budget=True).resolve(torch.device("cpu"), 4)
+
+
+def test_max_prefill_stall_holds_the_budget_to_rounds_of_prefill():
+    """With max_prefill_stall S and a measured cost p per prompt token, the step budget beside a plain round
+    of cost c is S c / p (within the user's budget, at least 64), and a speculative round scales that; with
+    no measurement yet, or S = 0, the user's budget."""
+    costs = RoundCosts(seeds={(2, 1): 0.010, (2, 4): 0.025}, buckets=(1, 2, 4))
+    scheduler, _ = two_decoding_and_a_long_prompt(3000, costs=costs, idle_prefill_tokens=2048,
+                                                  max_num_batched_tokens=512, max_prefill_stall=2.0)
+    assert scheduler.prefill_budget(2, 1) == 512 and scheduler.prefill_budget(2, 4) == 1280  # nothing measured
+    costs.prefill_token_s = 1e-4  # 512 tokens would cost 5 rounds: 200 cost 2
+    assert scheduler.stall_budget(2) == 200 and scheduler.prefill_budget(2, 1) == 200
+    assert scheduler.prefill_budget(2, 4) == 500  # beside a round 2.5x as dear: 2.5x the tokens
+    with scheduler.pinned(width=1):
+        plan = scheduler.schedule()
+    assert plan.prefill_budget == 200 and [len(c.tokens) for c in plan.prefill] == [200]
+    assert scheduler.prefill_budget(0, 1) == 2048  # nothing decodes: nothing to stall
+    costs.prefill_token_s = 1e-3
+    assert scheduler.stall_budget(2) == 64  # (20 by the rule: a prompt still moves)
+    costs.prefill_token_s = 1e-6
+    assert scheduler.stall_budget(2) == 512  # never past the user's budget
+    off, _ = two_decoding_and_a_long_prompt(3000, costs=costs, max_num_batched_tokens=512)
+    assert off.config.max_prefill_stall == 0 and off.stall_budget(2) == 512
+    costs.forget()
+    assert costs.prefill_token_s is None
+    costs.observe_prefill(100, 0.02)
+    costs.observe_prefill(100, -0.01)  # a step quicker than its round's mean: no negative cost
+    assert costs.prefill_token_s == pytest.approx(0.9 * 2e-4)
+    with pytest.raises(DeltaflashError, match="max_prefill_stall must be >= 0"):
+        EngineConfig(max_prefill_stall=-1).resolve(torch.device("cpu"), 4)
+    with pytest.raises(DeltaflashError, match="max_prefill_stall"):
+        EngineConfig(tensor_parallel_size=2, max_prefill_stall=2).resolve(torch.device("cpu"), 4)
+
+
+def test_the_stall_budget_settles_where_the_prefill_costs_the_stall():
+    """Each step measures what its n prompt tokens added (a + b n for a fixed part a) and the next budget
+    is S c over that per token: the budgets settle at n = (S c - a) / b, where the prefill costs S rounds."""
+    a, b, c, stall = 2e-3, 20e-6, 6.7e-3, 2.0
+    costs = RoundCosts(seeds={(2, 1): c, (2, 4): 2 * c}, buckets=(1, 2, 4))
+    scheduler, _ = two_decoding_and_a_long_prompt(10, costs=costs, idle_prefill_tokens=4096,
+                                                  max_num_batched_tokens=4096, max_prefill_stall=stall)
+    budgets = [scheduler.stall_budget(2)]
+    for _ in range(150):
+        costs.observe_prefill(budgets[-1], a + b * budgets[-1])
+        budgets.append(scheduler.stall_budget(2))
+    settled = (stall * c - a) / b  # 570 tokens
+    assert budgets[0] == 4096 and budgets[1] < 1000 and abs(budgets[-1] - settled) <= 0.01 * settled, budgets[-5:]
+    assert a + b * budgets[-1] == pytest.approx(stall * c, rel=0.01)
+
+
+def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(pairs):
+    """A target-only engine with max_prefill_stall calibrates round costs, records what each step that
+    prefills beside a round added (its tokens), and budgets those steps by the rule (the costs frozen here:
+    the CPU's timings decide nothing); outputs equal each prompt's solo output."""
+    target_dir, _ = pairs["dflash"]
+    plist = prompts(96, [5, 8, 200], seed=9)
+    solo = [c.token_ids for p in plist for c in engine_for(target_dir, max_slots=1).generate([p], GREEDY)[0]]
+    engine = engine_for(target_dir, max_slots=3, max_num_batched_tokens=128, idle_prefill_tokens=256,
+                        max_prefill_stall=1.0)
+    costs = engine.scheduler.costs
+    assert costs is not None and engine.config.max_prefill_stall == 1.0
+    observed = []
+    costs.cost = lambda bucket, width: 0.01
+    costs.observe_prefill = lambda tokens, seconds: observed.append(tokens)
+    costs.prefill_token_s = 0.01 / 80  # one round's cost buys 80 prompt tokens
+    ids = [engine.add_request(p, GREEDY) for p in plist[:2]]
+    out, reports = defaultdict(list), []
+    while any(len(out[i]) < 3 for i in ids):
+        for ev in engine.step():
+            out[ev.request_id] += ev.token_ids
+    ids.append(engine.add_request(plist[2], GREEDY))
+    while engine.has_work():
+        for ev in engine.step(on_report=reports.append):
+            out[ev.request_id] += ev.token_ids
+    beside = [r for r in reports if r.prefill_tokens and r.decode_lanes]
+    assert len(beside) >= 2 and all(r.prefill_budget == 80 and r.prefill_tokens <= 80 for r in beside)
+    assert observed == [r.prefill_tokens for r in beside]
+    assert [out[i] for i in ids] == solo
 
 
 @pytest.mark.parametrize("prompt_len,taken", [(55, [55]), (57, [50, 7])])

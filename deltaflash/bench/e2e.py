@@ -91,7 +91,8 @@ def _demo_workload(args, max_slots: int) -> Workload:
                           batch_invariant=args.batch_invariant,
                           max_model_len=args.max_model_len, round_graphs=args.round_graphs,
                           scale_prefill_budget=args.scale_prefill_budget, skinny_gemm=args.skinny_gemm,
-                          max_num_batched_tokens=args.max_num_batched_tokens)  # the serve defaults otherwise
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_prefill_stall=args.max_prefill_stall)  # the serve defaults otherwise
 
     def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
         spec = mode == "spec"
@@ -133,7 +134,8 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant,
                           max_model_len=args.max_model_len, scale_prefill_budget=args.scale_prefill_budget,
                           skinny_gemm=args.skinny_gemm,
-                          max_num_batched_tokens=args.max_num_batched_tokens)  # the serve defaults otherwise
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_prefill_stall=args.max_prefill_stall)  # the serve defaults otherwise
     spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
                                       tree_max_lanes=args.tree_max_lanes, speculation=args.speculation)
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
@@ -404,7 +406,8 @@ def run(args) -> int:
         result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar, least_requests=args.requests,
                        repeats=args.repeats)
     result["machine"] = machine()
-    result["meta"].update(max_num_batched_tokens=args.max_num_batched_tokens, skinny_gemm=args.skinny_gemm)
+    result["meta"].update(max_num_batched_tokens=args.max_num_batched_tokens, skinny_gemm=args.skinny_gemm,
+                          max_prefill_stall=args.max_prefill_stall)
     out = Path(args.out)
     report(result)
     write_json(out / f"e2e-{workload.name}.json", result)  # kept even if the reference runs are cut short
@@ -454,6 +457,8 @@ def register(sub) -> None:
                         "serve default, on for speculative engines)")
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="prompt tokens a step prefills beside a round (serve's flag; default: its default)")
+    p.add_argument("--max-prefill-stall", type=float, default=EngineConfig.max_prefill_stall,
+                   help="serve's flag: prefill beside a round held to this many plain rounds' cost (0: off)")
     p.add_argument("--skinny-gemm", default="auto", help="the engine's --skinny-gemm: auto, off or a table")
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")

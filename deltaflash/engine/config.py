@@ -54,6 +54,11 @@ class EngineConfig:
         A prompt the scaled budget would cut at most an eighth of it short of its end goes in whole
         (Scheduler.prefill_slack: its rest would take a padded graph lane of its own in the next step).
         None: on for speculative engines of one rank (ranks must plan alike; their timings differ).
+    max_prefill_stall: beside a round, a step prefills at most the prompt tokens whose measured cost is this
+        many plain rounds (Scheduler.stall_budget; the cost per prompt token is measured on the steps that
+        prefill beside a round), within max_num_batched_tokens and at least 64: a prompt arriving then
+        stretches a running stream's inter-token time to about 1 + this many rounds, at any load and on any
+        model, where a fixed token budget stalls low loads most (one round is short there). 0: off.
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
@@ -107,6 +112,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     idle_prefill_tokens: int = 2048
     scale_prefill_budget: bool | None = None
+    max_prefill_stall: float = 0.0
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -188,6 +194,11 @@ class EngineConfig:
                                       f"{self.tree_top_k} candidates")
         skinny_gemm = self._skinny_gemm(device, env, graphs)
         tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
+        if self.max_prefill_stall < 0:
+            raise DeltaflashError(f"max_prefill_stall must be >= 0 (0: off), got {self.max_prefill_stall}")
+        if self.max_prefill_stall and self.tensor_parallel_size > 1:
+            raise DeltaflashError("max_prefill_stall does not run under tensor parallelism (the budget would come "
+                                  "from each rank's own timings)")
         if self.scale_prefill_budget and self.tensor_parallel_size > 1:
             raise DeltaflashError("scale_prefill_budget does not run under tensor parallelism (the budget would come "
                                   "from each rank's own timings)")

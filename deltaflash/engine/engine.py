@@ -54,7 +54,7 @@ class Engine:
         self._busy = False  # the engine had work when its last step ended (the device's wait is then the host's doing)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
-        if self.config.adaptive or self.config.scale_prefill_budget:
+        if self.config.adaptive or self.config.scale_prefill_budget or self.config.max_prefill_stall:
             self.scheduler.costs = self.runner.calibrate()  # after capture: it times what rounds will replay
         if self.config.adaptive:
             self.scheduler.policy = WidthPolicy(self.config.widths, self.scheduler.costs)
@@ -238,8 +238,13 @@ class Engine:
             self.stats["decode_rounds"] += 1
         out, scheduler = result.round, self.scheduler
         policy, choice, costs = scheduler.policy, scheduler.tree_choice, scheduler.costs
-        if costs is not None and plan.decode and not plan.prefill:  # a step's prefill runs on the device before
-            costs.observe(costs.bucket(len(plan.decode)), plan.round_width, result.decode_s)  # its round (decode_s)
+        if costs is not None and plan.decode:  # a step's prefill runs on the device before its round (decode_s)
+            bucket = costs.bucket(len(plan.decode))
+            if not plan.prefill:
+                costs.observe(bucket, plan.round_width, result.decode_s)
+            else:  # what the prefill added to the step (Scheduler.stall_budget)
+                costs.observe_prefill(sum(len(c.tokens) for c in plan.prefill), result.prefill_s + result.decode_s
+                                      - costs.cost(bucket, plan.round_width))
         if choice is not None and plan.round_width > 1:
             choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,
                            [n + 1 for n, w in zip(out.accepted, plan.widths) if w > 1], clean=not plan.prefill)

@@ -8,7 +8,8 @@ prompt chunks (oldest prompt first): `max_num_batched_tokens` prompt tokens per 
 (the round does not draw on it: under load a speculative round is lanes x width rows, and taking those
 from the prompts' share would leave free slots waiting on prefill), scaled by the round's measured cost
 over a plain round's when `scale_prefill_budget` (a costlier round, a proportionate prefill share: see
-EngineConfig); `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
+EngineConfig), and held to the tokens whose measured cost stays within `max_prefill_stall` rounds when that
+is set; `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
 stream, and larger chunks prefill it faster). A preempted sequence gives back its slot and pages and
 waits at the head of the queue; when readmitted, its prompt and generated tokens are prefilled again
 (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
@@ -25,7 +26,7 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import prefill_tile
+from deltaflash.engine.graphs import PREFILL_ROWS, prefill_tile
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
@@ -157,16 +158,30 @@ class Scheduler:
 
     def prefill_budget(self, lanes: int, round_width: int) -> int:
         """Prompt tokens a step may prefill beside a round of `lanes` lanes x `round_width` rows: the idle
-        budget with no lane; beside a speculative round with costs to go by (config.scale_prefill_budget),
-        the step budget times the round's cost over a plain round's, between the step budget and
-        config.round_prefill_tokens; else the step budget."""
+        budget with no lane; else the step budget (stall_budget: held to the running streams' stall), and
+        beside a speculative round with costs to go by (config.scale_prefill_budget) that times the round's
+        cost over a plain round's, at most config.round_prefill_tokens."""
         config = self.config
         if not lanes:
             return config.idle_prefill_tokens
+        budget = self.stall_budget(lanes)
         if not self._scaled(round_width):
-            return config.max_num_batched_tokens
-        scaled = int(config.max_num_batched_tokens * self.costs.cost_ratio(lanes, round_width))
-        return max(config.max_num_batched_tokens, min(scaled, config.round_prefill_tokens))
+            return budget
+        scaled = int(budget * self.costs.cost_ratio(lanes, round_width))
+        return max(budget, min(scaled, config.round_prefill_tokens))
+
+    def stall_budget(self, lanes: int) -> int:
+        """The step budget beside a plain round of `lanes` lanes: config.max_num_batched_tokens, or, with
+        config.max_prefill_stall S and a measured cost per prompt token p (RoundCosts.prefill_token_s), the
+        tokens S x c / p whose prefill costs S plain rounds of cost c (so a step with a prompt chunk takes
+        about 1 + S rounds, a stream's inter-token p99 against its p50), at least PREFILL_ROWS. p is
+        measured at the budgets this rule sets: with a step costing a + b n for n tokens, the budgets
+        n' = S c n / (a + b n) settle where a + b n = S c."""
+        budget, stall, costs = self.config.max_num_batched_tokens, self.config.max_prefill_stall, self.costs
+        if not stall or costs is None or not costs.prefill_token_s:
+            return budget
+        held = int(stall * costs.cost(costs.bucket(lanes), 1) / costs.prefill_token_s)
+        return min(budget, max(PREFILL_ROWS, held))
 
     def prefill_slack(self, budget: int, lanes: int, round_width: int) -> int:
         """Tokens a scaled budget (prefill_budget) may be exceeded by to finish a prompt: an eighth of it, within

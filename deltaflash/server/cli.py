@@ -22,6 +22,10 @@ def register(sub) -> None:
                    help="beside a speculative round, scale --max-num-batched-tokens by the round's measured cost "
                         "over a plain round's (up to --idle-prefill-tokens): prompts keep the share of each step "
                         "they get beside plain decoding (default: on for speculative engines of one rank)")
+    p.add_argument("--max-prefill-stall", type=float, default=0.0,
+                   help="beside a round, prefill at most the prompt tokens whose measured cost is this many plain "
+                        "rounds (within --max-num-batched-tokens): a prompt arriving stretches a running stream's "
+                        "inter-token time to about 1 + this many rounds at any load; 0: off")
     p.add_argument("--idle-prefill-tokens", type=int, default=2048,
                    help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
                         "chunks, faster time to first token); at least --max-num-batched-tokens")
@@ -60,6 +64,7 @@ def check_flags(args) -> None:
                                    ("--max-queue", args.max_queue, 0, None),
                                    ("--max-num-batched-tokens", args.max_num_batched_tokens, 1, None),
                                    ("--idle-prefill-tokens", args.idle_prefill_tokens, 1, None),
+                                   ("--max-prefill-stall", args.max_prefill_stall, 0, None),
                                    ("--request-timeout", args.request_timeout, 0, None),
                                    ("--shutdown-timeout", args.shutdown_timeout, 0, None),
                                    ("--port", args.port, 0, 65535)):

@@ -88,7 +88,8 @@ def build_engine(args, tensor_parallel=None) -> Engine:
     return engine_from_args(args, max_slots=args.max_concurrency, progress=tensor_parallel is None or
                             tensor_parallel.rank == 0, max_num_batched_tokens=args.max_num_batched_tokens,
                             idle_prefill_tokens=args.idle_prefill_tokens,
-                            scale_prefill_budget=args.scale_prefill_budget, tensor_parallel=tensor_parallel)
+                            scale_prefill_budget=args.scale_prefill_budget, max_prefill_stall=args.max_prefill_stall,
+                            tensor_parallel=tensor_parallel)
 
 
 class DrainingServer(uvicorn.Server):

@@ -110,6 +110,7 @@ class RoundCosts:
     measured: dict[tuple[int, int], float] = field(default_factory=dict)
     overhead: float = 0.0
     buckets: tuple[int, ...] = ()  # the lane buckets (the rounds' graphs): cost_ratio's lanes go to the next one up
+    prefill_token_s: float | None = None  # decayed mean seconds a prompt token adds to the step beside a round
 
     def cost(self, bucket: int, width: int) -> float:
         key = (bucket, width)
@@ -137,6 +138,14 @@ class RoundCosts:
         """Back to the calibration alone."""
         self.measured.clear()
         self.overhead = 0.0
+        self.prefill_token_s = None
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step prefilled `tokens` prompt tokens beside a round and took `seconds` more than the round's
+        cost (the step's prefill, device and host; clamped at 0)."""
+        per_token = max(seconds, 0.0) / tokens
+        old = self.prefill_token_s
+        self.prefill_token_s = per_token if old is None else DECAY * old + (1 - DECAY) * per_token
 
     def observe(self, bucket: int, width: int, seconds: float) -> None:
         key = (bucket, width)

@@ -170,31 +170,38 @@ def test_the_prefill_budget_beside_a_speculative_round_scales_with_its_cost():
 
 
 def test_max_prefill_stall_holds_the_budget_to_rounds_of_prefill():
-    """With max_prefill_stall S and a measured cost p per prompt token, the step budget beside a plain round
-    of cost c is S c / p (within the user's budget, at least 64), and a speculative round scales that; with
-    no measurement yet, or S = 0, the user's budget."""
+    """With max_prefill_stall S and the measured cost of prompt tokens, the step budget beside a plain round
+    of cost c is the tokens that cost S c (within the user's budget, at least 64), and a speculative round
+    scales that; with no measurement yet, or S = 0, the user's budget."""
     costs = RoundCosts(seeds={(2, 1): 0.010, (2, 4): 0.025}, buckets=(1, 2, 4))
     scheduler, _ = two_decoding_and_a_long_prompt(3000, costs=costs, idle_prefill_tokens=2048,
                                                   max_num_batched_tokens=512, max_prefill_stall=2.0)
     assert scheduler.prefill_budget(2, 1) == 512 and scheduler.prefill_budget(2, 4) == 1280  # nothing measured
-    costs.prefill_token_s = 1e-4  # 512 tokens would cost 5 rounds: 200 cost 2
+    costs.prefill.observe(512, 0.0512)  # 512 tokens cost 5 rounds (one size measured: b = 0.1 ms, a = 0): 200 cost 2
     assert scheduler.stall_budget(2) == 200 and scheduler.prefill_budget(2, 1) == 200
     assert scheduler.prefill_budget(2, 4) == 500  # beside a round 2.5x as dear: 2.5x the tokens
     with scheduler.pinned(width=1):
         plan = scheduler.schedule()
     assert plan.prefill_budget == 200 and [len(c.tokens) for c in plan.prefill] == [200]
     assert scheduler.prefill_budget(0, 1) == 2048  # nothing decodes: nothing to stall
-    costs.prefill_token_s = 1e-3
+    costs.forget()
+    costs.prefill.observe(512, 0.512)
     assert scheduler.stall_budget(2) == 64  # (20 by the rule: a prompt still moves)
-    costs.prefill_token_s = 1e-6
+    costs.forget()
+    costs.prefill.observe(512, 0.000512)
     assert scheduler.stall_budget(2) == 512  # never past the user's budget
     off, _ = two_decoding_and_a_long_prompt(3000, costs=costs, max_num_batched_tokens=512)
     assert off.config.max_prefill_stall == 0 and off.stall_budget(2) == 512
     costs.forget()
-    assert costs.prefill_token_s is None
-    costs.observe_prefill(100, 0.02)
-    costs.observe_prefill(100, -0.01)  # a step quicker than its round's mean: no negative cost
-    assert costs.prefill_token_s == pytest.approx(0.9 * 2e-4)
+    assert costs.prefill.line() is None
+    costs.prefill.observe(100, 0.02)
+    costs.prefill.observe(100, -0.01)  # a step quicker than its round's mean: no negative cost
+    assert costs.prefill.line() == (0.0, pytest.approx(0.9 * 0.02 / 190), False)
+    costs.forget()
+    for n in (100, 300, 200, 400):  # tokens that vary: the line a + b n is fitted
+        costs.prefill.observe(n, 0.003 + 1e-5 * n)
+    a, b, fitted = costs.prefill.line()
+    assert fitted and a == pytest.approx(0.003) and b == pytest.approx(1e-5)
     with pytest.raises(DeltaflashError, match="max_prefill_stall must be >= 0"):
         EngineConfig(max_prefill_stall=-1).resolve(torch.device("cpu"), 4)
     with pytest.raises(DeltaflashError, match="max_prefill_stall"):
@@ -202,19 +209,26 @@ def test_max_prefill_stall_holds_the_budget_to_rounds_of_prefill():
 
 
 def test_the_stall_budget_settles_where_the_prefill_costs_the_stall():
-    """Each step measures what its n prompt tokens added (a + b n for a fixed part a) and the next budget
-    is S c over that per token: the budgets settle at n = (S c - a) / b, where the prefill costs S rounds."""
+    """Each step measures what its n prompt tokens added (a + b n for a fixed part a): the budgets settle at
+    n = (S c - a) / b, where the prefill costs S rounds; where a alone exceeds S c, at the user's budget."""
     a, b, c, stall = 2e-3, 20e-6, 6.7e-3, 2.0
     costs = RoundCosts(seeds={(2, 1): c, (2, 4): 2 * c}, buckets=(1, 2, 4))
     scheduler, _ = two_decoding_and_a_long_prompt(10, costs=costs, idle_prefill_tokens=4096,
                                                   max_num_batched_tokens=4096, max_prefill_stall=stall)
     budgets = [scheduler.stall_budget(2)]
-    for _ in range(150):
-        costs.observe_prefill(budgets[-1], a + b * budgets[-1])
+    for _ in range(20):
+        costs.prefill.observe(budgets[-1], a + b * budgets[-1])
         budgets.append(scheduler.stall_budget(2))
     settled = (stall * c - a) / b  # 570 tokens
-    assert budgets[0] == 4096 and budgets[1] < 1000 and abs(budgets[-1] - settled) <= 0.01 * settled, budgets[-5:]
+    assert budgets[0] == 4096 and budgets[1] < 1000 and abs(budgets[-1] - settled) <= 1, budgets
     assert a + b * budgets[-1] == pytest.approx(stall * c, rel=0.01)
+    # a fixed part above the time allowed: no chunk meets the stall, and the budget goes back to the user's
+    costs.forget()
+    budgets = [scheduler.stall_budget(2)]
+    for _ in range(6):
+        costs.prefill.observe(budgets[-1], 3 * stall * c + b * budgets[-1])
+        budgets.append(scheduler.stall_budget(2))
+    assert budgets[0] == 4096 and budgets[1] < 4096 and budgets[-3:] == [4096] * 3, budgets
 
 
 def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(pairs):
@@ -230,8 +244,8 @@ def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(p
     assert costs is not None and engine.config.max_prefill_stall == 1.0
     observed = []
     costs.cost = lambda bucket, width: 0.01
-    costs.observe_prefill = lambda tokens, seconds: observed.append(tokens)
-    costs.prefill_token_s = 0.01 / 80  # one round's cost buys 80 prompt tokens
+    costs.prefill.observe(100, 100 * 0.01 / 80)  # one round's cost buys 80 prompt tokens
+    costs.prefill.observe = lambda tokens, seconds: observed.append(tokens)
     ids = [engine.add_request(p, GREEDY) for p in plist[:2]]
     out, reports = defaultdict(list), []
     while any(len(out[i]) < 3 for i in ids):

@@ -55,10 +55,12 @@ class EngineConfig:
         (Scheduler.prefill_slack: its rest would take a padded graph lane of its own in the next step).
         None: on for speculative engines of one rank (ranks must plan alike; their timings differ).
     max_prefill_stall: beside a round, a step prefills at most the prompt tokens whose measured cost is this
-        many plain rounds (Scheduler.stall_budget; the cost per prompt token is measured on the steps that
-        prefill beside a round), within max_num_batched_tokens and at least 64: a prompt arriving then
-        stretches a running stream's inter-token time to about 1 + this many rounds, at any load and on any
-        model, where a fixed token budget stalls low loads most (one round is short there). 0: off.
+        many plain rounds (Scheduler.stall_budget; what prompt tokens add to a step is measured on the steps
+        that prefill beside a round: speculative/policy.py PrefillCost), within max_num_batched_tokens and at
+        least 64: a prompt arriving then stretches a running stream's inter-token time to about 1 + this many
+        rounds, at any load and on any model, where a fixed token budget stalls low loads most (one round is
+        short there). Where a step's fixed prefill cost alone exceeds it, max_num_batched_tokens (fewer,
+        larger chunks stall less in all). 0: off.
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.

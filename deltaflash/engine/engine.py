@@ -243,7 +243,7 @@ class Engine:
             if not plan.prefill:
                 costs.observe(bucket, plan.round_width, result.decode_s)
             else:  # what the prefill added to the step (Scheduler.stall_budget)
-                costs.observe_prefill(sum(len(c.tokens) for c in plan.prefill), result.prefill_s + result.decode_s
+                costs.prefill.observe(sum(len(c.tokens) for c in plan.prefill), result.prefill_s + result.decode_s
                                       - costs.cost(bucket, plan.round_width))
         if choice is not None and plan.round_width > 1:
             choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,

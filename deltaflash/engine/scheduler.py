@@ -172,16 +172,14 @@ class Scheduler:
 
     def stall_budget(self, lanes: int) -> int:
         """The step budget beside a plain round of `lanes` lanes: config.max_num_batched_tokens, or, with
-        config.max_prefill_stall S and a measured cost per prompt token p (RoundCosts.prefill_token_s), the
-        tokens S x c / p whose prefill costs S plain rounds of cost c (so a step with a prompt chunk takes
-        about 1 + S rounds, a stream's inter-token p99 against its p50), at least PREFILL_ROWS. p is
-        measured at the budgets this rule sets: with a step costing a + b n for n tokens, the budgets
-        n' = S c n / (a + b n) settle where a + b n = S c."""
+        config.max_prefill_stall S and the measured cost of prompt tokens beside a round
+        (RoundCosts.prefill), the tokens whose prefill costs S plain rounds (so a step with a prompt chunk
+        takes about 1 + S rounds: a stream's inter-token p99 against its p50), at least PREFILL_ROWS - or
+        the step budget where even those would cost more (PrefillCost.tokens_within)."""
         budget, stall, costs = self.config.max_num_batched_tokens, self.config.max_prefill_stall, self.costs
-        if not stall or costs is None or not costs.prefill_token_s:
+        if not stall or costs is None:
             return budget
-        held = int(stall * costs.cost(costs.bucket(lanes), 1) / costs.prefill_token_s)
-        return min(budget, max(PREFILL_ROWS, held))
+        return costs.prefill.tokens_within(stall * costs.cost(costs.bucket(lanes), 1), min(PREFILL_ROWS, budget), budget)
 
     def prefill_slack(self, budget: int, lanes: int, round_width: int) -> int:
         """Tokens a scaled budget (prefill_budget) may be exceeded by to finish a prompt: an eighth of it, within

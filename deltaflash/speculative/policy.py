@@ -110,7 +110,7 @@ class RoundCosts:
     measured: dict[tuple[int, int], float] = field(default_factory=dict)
     overhead: float = 0.0
     buckets: tuple[int, ...] = ()  # the lane buckets (the rounds' graphs): cost_ratio's lanes go to the next one up
-    prefill_token_s: float | None = None  # decayed mean seconds a prompt token adds to the step beside a round
+    prefill: PrefillCost = field(default_factory=lambda: PrefillCost())  # what prompt tokens add to a step
 
     def cost(self, bucket: int, width: int) -> float:
         key = (bucket, width)
@@ -138,20 +138,52 @@ class RoundCosts:
         """Back to the calibration alone."""
         self.measured.clear()
         self.overhead = 0.0
-        self.prefill_token_s = None
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A step prefilled `tokens` prompt tokens beside a round and took `seconds` more than the round's
-        cost (the step's prefill, device and host; clamped at 0)."""
-        per_token = max(seconds, 0.0) / tokens
-        old = self.prefill_token_s
-        self.prefill_token_s = per_token if old is None else DECAY * old + (1 - DECAY) * per_token
+        self.prefill = PrefillCost()
 
     def observe(self, bucket: int, width: int, seconds: float) -> None:
         key = (bucket, width)
         old = self.measured.get(key)
         self.measured[key] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
         self.overhead = DECAY * self.overhead + (1 - DECAY) * (seconds - self._seed(bucket, width))
+
+
+@dataclass
+class PrefillCost:
+    """Seconds n prompt tokens add to a step beside a round, a + b n, from the steps measured (decayed sums,
+    DECAY per step). While the tokens measured vary enough the line is fitted; else b is their mean cost
+    per token and a is 0 (tokens_within then moves the budget, and the budgets it sets settle where
+    a + b n is the time allowed: n' = allowed n / (a + b n) has that fixed point)."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, n, n^2, seconds, n x seconds
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        seconds = max(seconds, 0.0)  # (a step quicker than its round's mean)
+        for i, x in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            self.sums[i] = DECAY * self.sums[i] + x
+
+    def line(self) -> tuple[float, float, bool] | None:
+        """(a, b, whether the line was fitted), or None before any step."""
+        w, n, nn, s, ns = self.sums
+        if not w or not n:
+            return None
+        mean_n, mean_s = n / w, s / w
+        spread = nn / w - mean_n * mean_n
+        if spread > (0.1 * mean_n) ** 2:  # tokens that vary by 10% and more: fit the line
+            b = (ns / w - mean_n * mean_s) / spread
+            if b > 0:
+                return max(0.0, mean_s - b * mean_n), b, True
+        return 0.0, s / n, False
+
+    def tokens_within(self, seconds: float, least: int, most: int) -> int:
+        """The prompt tokens of a step whose prefill adds at most `seconds`, in [least, most]; where even
+        `least` would add more by the fitted line, `most` (a stall that cannot be met: fewer, larger chunks
+        stall less in all)."""
+        line = self.line()
+        if line is None:
+            return most
+        a, b, fitted = line
+        n = int((seconds - a) / b)
+        return (most if fitted else least) if n < least else min(most, n)
 
 
 @dataclass

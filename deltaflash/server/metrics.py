@@ -59,7 +59,8 @@ class Metrics:
                                                  buckets=_TOKEN_BUCKETS, registry=r)
         self.prefill_budget = Histogram("deltaflash_prefill_budget_tokens",
                                         "Prompt tokens a step that prefilled could take: --max-num-batched-tokens "
-                                        "beside a round (scaled by a speculative round's cost over a plain one's, "
+                                        "beside a round (held to --max-prefill-stall rounds' cost when set; "
+                                        "scaled by a speculative round's cost over a plain one's, "
                                         "up to --idle-prefill-tokens, unless --no-scale-prefill-budget), "
                                         "--idle-prefill-tokens with nothing decoding", buckets=_TOKEN_BUCKETS,
                                         registry=r)

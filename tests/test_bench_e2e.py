@@ -37,7 +37,10 @@ def test_demo_workload_writes_json_and_plots(tmp_path):
             assert p["phase_shares"]["verify"] > 0 and p["phase_shares"]["draft"] > 0
         else:
             assert p["mean_accepted_length"] is None
-    assert set(result["figures"]) == {"spec_over_target_only_c1", "spec_over_target_only_c2"}
+    assert set(result["figures"]) == {"spec_over_target_only_c1", "spec_over_target_only_c2",
+                                      *(f"itl_p99_over_p50_c{c}_{m}" for c in (1, 2) for m in ("spec", "target-only"))}
+    itl = points[2, "target-only"]
+    assert result["figures"]["itl_p99_over_p50_c2_target-only"]["value"] == itl["itl_p99_ms"] / itl["itl_p50_ms"] >= 1
     for name in ("e2e-demo-tokens-per-s.png", "e2e-demo-accepted-length.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name

@@ -373,6 +373,10 @@ def figures(points: list[dict], workload: Workload) -> dict:
     for c in sorted({p["concurrency"] for p in points}):
         add(f"spec_over_target_only_c{c}", at[c, "spec"]["tokens_per_s"] / at[c, "target-only"]["tokens_per_s"],
             at[c, "spec"])
+        for mode in MODES:  # issue 15's stall figure: a stream's slowest tokens against its typical one
+            p = at[c, mode]
+            if p.get("itl_p50_ms") and p.get("itl_p99_ms") is not None:
+                add(f"itl_p99_over_p50_c{c}_{mode}", p["itl_p99_ms"] / p["itl_p50_ms"], p)
     if (1, "spec") in at and (16, "spec") in at:
         add("spec_aggregate_c16_over_c1", at[16, "spec"]["tokens_per_s"] / at[1, "spec"]["tokens_per_s"], at[16, "spec"])
     if workload.weight_read_s and (1, "spec") in at and at[1, "spec"]["mean_accepted_length"]:

@@ -198,6 +198,9 @@ def test_max_prefill_stall_holds_the_budget_to_rounds_of_prefill():
     costs.prefill.observe(100, -0.01)  # a step quicker than its round's mean: no negative cost
     assert costs.prefill.line() == (0.0, pytest.approx(0.9 * 0.02 / 190), False)
     costs.forget()
+    costs.prefill.observe(100, -0.01)  # only such steps: nothing measured to hold the budget to
+    assert costs.prefill.line() == (0.0, 0.0, False) and scheduler.stall_budget(2) == 512
+    costs.forget()
     for n in (100, 300, 200, 400):  # tokens that vary: the line a + b n is fitted
         costs.prefill.observe(n, 0.003 + 1e-5 * n)
     a, b, fitted = costs.prefill.line()

@@ -182,6 +182,8 @@ class PrefillCost:
         if line is None:
             return most
         a, b, fitted = line
+        if b <= 0:  # (every step measured at no more than its round: nothing to hold)
+            return most
         n = int((seconds - a) / b)
         return (most if fitted else least) if n < least else min(most, n)
 

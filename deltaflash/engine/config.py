@@ -198,12 +198,10 @@ class EngineConfig:
         tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
         if self.max_prefill_stall < 0:
             raise DeltaflashError(f"max_prefill_stall must be >= 0 (0: off), got {self.max_prefill_stall}")
-        if self.max_prefill_stall and self.tensor_parallel_size > 1:
-            raise DeltaflashError("max_prefill_stall does not run under tensor parallelism (the budget would come "
-                                  "from each rank's own timings)")
-        if self.scale_prefill_budget and self.tensor_parallel_size > 1:
-            raise DeltaflashError("scale_prefill_budget does not run under tensor parallelism (the budget would come "
-                                  "from each rank's own timings)")
+        for name in ("max_prefill_stall", "scale_prefill_budget"):  # budgets from timings: ranks must plan alike
+            if getattr(self, name) and self.tensor_parallel_size > 1:
+                raise DeltaflashError(f"{name} does not run under tensor parallelism (the budget would come from "
+                                      "each rank's own timings)")
         scale = block > 1 and self.tensor_parallel_size == 1 if self.scale_prefill_budget is None \
             else self.scale_prefill_budget and block > 1
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,

@@ -242,7 +242,7 @@ class Engine:
             bucket = costs.bucket(len(plan.decode))
             if not plan.prefill:
                 costs.observe(bucket, plan.round_width, result.decode_s)
-            else:  # what the prefill added to the step (Scheduler.stall_budget)
+            elif self.config.max_prefill_stall:  # what the prefill added to the step (Scheduler.stall_budget)
                 costs.prefill.observe(sum(len(c.tokens) for c in plan.prefill), result.prefill_s + result.decode_s
                                       - costs.cost(bucket, plan.round_width))
         if choice is not None and plan.round_width > 1:

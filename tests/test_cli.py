@@ -138,6 +138,80 @@ def test_serve_flags_reach_the_engine(folder):
         == (2, 96, 160, 2.5)
 
 
+def _parser():
+    import argparse
+
+    from deltaflash import cli
+    from deltaflash.bench import cli as bench_cli
+    from deltaflash.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    serve_cli.register(sub)
+    bench_cli.register(sub)
+    return parser, cli
+
+
+def test_scheduler_flag_defaults_are_the_engine_config_defaults():
+    """`add_scheduler_args` spells EngineConfig's defaults (engine/args.py imports no torch): held equal here."""
+    import argparse
+
+    from deltaflash.engine.args import add_scheduler_args, scheduler_config
+    from deltaflash.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_scheduler_args(p)
+    defaults = scheduler_config(p.parse_args([]))
+    assert defaults == {name: getattr(EngineConfig(), name) for name in defaults}
+
+
+def test_bench_serve_passes_every_engine_and_scheduler_flag_to_its_server(folder):
+    """`bench serve` starts `deltaflash serve` with each engine and scheduler flag it was given (it used to drop
+    --round-graphs and --tree-max-lanes): the server's parse of that command holds the same values."""
+    from deltaflash.bench.serve import server_command
+    from deltaflash.engine.args import kernel_config, scheduler_config, speculation_config
+
+    parser, _ = _parser()
+    given = ["--model", str(folder), "--draft", str(folder), "--device", "cpu", "--dtype", "float32",
+             "--block-size", "4", "--speculation", "fixed", "--no-round-graphs", "--tree-budget", "8",
+             "--tree-top-k", "2", "--tree-max-lanes", "0", "--batch-invariant", "--skinny-gemm", "off",
+             "--max-model-len", "256", "--page-size", "32", "--kv-cache-memory", "64MiB",
+             "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "96", "--no-scale-prefill-budget",
+             "--max-prefill-stall", "1.5", "--idle-prefill-tokens", "160", "--max-concurrency", "3", "--clients", "5",
+             "--api-key", "k", "--no-host-overlap"]
+    bench = parser.parse_args(["bench", "serve", *given])
+    command = server_command(bench)
+    assert command[1:4] == ["-m", "deltaflash", "serve"]
+    served = parser.parse_args(command[3:])
+    for fields in (speculation_config, kernel_config, scheduler_config):
+        assert fields(served) == fields(bench)
+    for name in ("model", "draft", "device", "dtype", "max_model_len", "page_size", "kv_cache_memory",
+                 "gpu_memory_utilization", "max_concurrency", "api_key", "no_host_overlap"):
+        assert getattr(served, name) == getattr(bench, name), name
+    assert served.max_queue == 5
+    plain = server_command(parser.parse_args(["bench", "serve"]))  # defaults: nothing but the bench's own
+    assert plain[4:] == ["--host", "127.0.0.1", "--port", "0", "--max-concurrency", "8", "--max-queue", "64"]
+
+
+def test_bench_e2e_takes_the_engine_flags_of_serve():
+    """`bench e2e` builds its engines from the same speculation, kernel and scheduler flags as `serve` (one set of
+    definitions, engine/args.py), checked as `serve` checks them."""
+    from deltaflash.bench.e2e import _engine_config
+    from deltaflash.engine.args import speculation_config
+    from deltaflash.errors import DeltaflashError
+
+    parser, _ = _parser()
+    args = parser.parse_args(["bench", "e2e", "--max-prefill-stall", "2", "--idle-prefill-tokens", "100",
+                              "--no-round-graphs", "--tree-max-lanes", "3", "--skinny-gemm", "off"])
+    config = _engine_config(args, 4)
+    assert (config.max_slots, config.max_prefill_stall, config.idle_prefill_tokens, config.skinny_gemm) == \
+        (4, 2.0, 100, "off")
+    assert speculation_config(args)["round_graphs"] is False and speculation_config(args)["tree_max_lanes"] == 3
+    bad = parser.parse_args(["bench", "e2e", "--max-prefill-stall", "-1"])
+    with pytest.raises(DeltaflashError, match="--max-prefill-stall must be >= 0"):
+        bad.func(bad)
+
+
 def test_a_benchmark_returning_its_result_exits_zero(monkeypatch):
     """Benchmarks return their result dict (for callers and JSON); the command's exit status is still 0."""
     from deltaflash import cli

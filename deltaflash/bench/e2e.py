@@ -19,7 +19,6 @@ acceptance, labelled scripted everywhere). `--server URL` drives a running `delt
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,10 @@ from deltaflash.bench.common import copy_bandwidth_gbs, machine, share_of_device
 from deltaflash.bench.e2e_stats import compare, explain, latency_summary, percentile, report
 from deltaflash.bundled import BUNDLED
 from deltaflash.core.request import SamplingParams
+from deltaflash.engine.args import (
+    add_kernel_args, add_scheduler_args, add_speculation_args, check_scheduler_flags, kernel_config, scheduler_config,
+    speculation_config,
+)
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.engine import Engine
 from deltaflash.errors import DeltaflashError
@@ -69,6 +72,13 @@ class Trace:
 
 
 # ---- workloads ------------------------------------------------------------------------------
+def _engine_config(args, max_slots: int) -> EngineConfig:
+    """Both modes' engine: the serve defaults but for the kernel and scheduler flags given (speculation's
+    flags are the speculative engine's alone)."""
+    return EngineConfig(max_slots=max_slots, max_model_len=args.max_model_len, **kernel_config(args),
+                        **scheduler_config(args))
+
+
 def _demo_workload(args, max_slots: int) -> Workload:
     from deltaflash.tokenizer import encode_prompt
     from deltaflash.train.corpus import heldout_prompts, load_split
@@ -86,13 +96,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
     tokenizer = load_tokenizer(target)
     texts = heldout_prompts(load_split(), args.prompts, num_lines=args.prompt_lines)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    config = EngineConfig(max_slots=max_slots, block_size=args.block_size, tree_budget=args.tree_budget,
-                          tree_top_k=args.tree_top_k, tree_max_lanes=args.tree_max_lanes, speculation=args.speculation,
-                          batch_invariant=args.batch_invariant,
-                          max_model_len=args.max_model_len, round_graphs=args.round_graphs,
-                          scale_prefill_budget=args.scale_prefill_budget, skinny_gemm=args.skinny_gemm,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_prefill_stall=args.max_prefill_stall)  # the serve defaults otherwise
+    config = dataclasses.replace(_engine_config(args, max_slots), **speculation_config(args))
 
     def engine(mode: str, profile: bool = False, utilization: float | None = None) -> Engine:
         spec = mode == "spec"
@@ -105,8 +109,7 @@ def _demo_workload(args, max_slots: int) -> Workload:
                     SamplingParams(max_new_tokens=args.max_new_tokens), engine,
                     args.block_size or drafter.config.block_size,
                     meta={"target": str(target), "draft": str(draft), "prompt_lines": args.prompt_lines,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
-                          "tree_max_lanes": args.tree_max_lanes, "speculation": args.speculation},
+                          **speculation_config(args)},
                     device=device)
 
 
@@ -131,13 +134,8 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     W = args.block_size or 16
-    config = EngineConfig(max_slots=max_slots, batch_invariant=args.batch_invariant,
-                          max_model_len=args.max_model_len, scale_prefill_budget=args.scale_prefill_budget,
-                          skinny_gemm=args.skinny_gemm,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_prefill_stall=args.max_prefill_stall)  # the serve defaults otherwise
-    spec_config = dataclasses.replace(config, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                                      tree_max_lanes=args.tree_max_lanes, speculation=args.speculation)
+    config = _engine_config(args, max_slots)
+    spec_config = dataclasses.replace(config, **speculation_config(args))
     corrupt = corrupt_for_tau(args.tau, W) if args.tau else args.corrupt
     # the script: the target's own greedy continuation of every prompt, recorded before any timing
     recorder = Engine(model, None, None, config)
@@ -160,9 +158,7 @@ def _scripted_workload(args, max_slots: int) -> Workload:
     label = f"scripted drafter (target's greedy continuation, {corrupt:.1%} corrupted, expected tau {tau:.2f}), {shape}"
     return Workload("scripted", label, prompts, params, engine, W, read_bytes / (bandwidth * 1e9),
                     meta={"corrupt": corrupt, "expected_tau": tau, "shape": shape, "prompt_len": args.prompt_len,
-                          "prompt_len_max": longest,
-                          "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k,
-                          "tree_max_lanes": args.tree_max_lanes, "speculation": args.speculation,
+                          "prompt_len_max": longest, **speculation_config(args),
                           "weight_read_bytes": read_bytes, "copy_bandwidth_gbs": bandwidth}, device=device)
 
 
@@ -404,6 +400,7 @@ def run(args) -> int:
         return run_server(args)
     if args.repeats < 1:
         raise DeltaflashError(f"--repeats must be >= 1, got {args.repeats}")
+    check_scheduler_flags(args)
     max_c = max(args.concurrency)
     workload = (_demo_workload if args.workload == "demo" else _scripted_workload)(args, max_c)
     with tqdm(total=len(args.concurrency) * len(MODES) * args.repeats, unit="run", disable=args.quiet) as bar:
@@ -443,27 +440,9 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--model", default=None, help="demo: target folder; scripted: a checkpoint instead of the 9B shape")
     p.add_argument("--draft", default=None, help="demo: drafter folder (default: the bundled drafter)")
-    p.add_argument("--block-size", type=int, default=0, help="W (default: the drafter's; scripted: 16)")
-    p.add_argument("--tree-budget", type=int, default=0, help="speculate with draft trees of N nodes (0: chains)")
-    p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
-                   help="round widths chosen by load and acceptance, always the block, or auto: adaptive on CPU, fixed on CUDA")
-    p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth of a draft tree")
-    p.add_argument("--tree-max-lanes", type=int, default=None,
-                   help="with --tree-budget: rounds of more lanes verify chains (0: trees at every load; default: "
-                        "trees or chains by their measured tokens per second, EngineConfig.tree_max_lanes)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="the target's products through the batch-invariant GEMM (ops/gemm) in both modes")
-    p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="demo workload: greedy rounds replay one CUDA graph each (EngineConfig.round_graphs; "
-                        "default: the serve default, on with CUDA graphs)")
-    p.add_argument("--scale-prefill-budget", action=argparse.BooleanOptionalAction, default=None,
-                   help="beside a speculative round, scale the prefill budget by the round's cost (default: the "
-                        "serve default, on for speculative engines)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
-                   help="prompt tokens a step prefills beside a round (serve's flag; default: its default)")
-    p.add_argument("--max-prefill-stall", type=float, default=EngineConfig.max_prefill_stall,
-                   help="serve's flag: prefill beside a round held to this many plain rounds' cost (0: off)")
-    p.add_argument("--skinny-gemm", default="auto", help="the engine's --skinny-gemm: auto, off or a table")
+    add_speculation_args(p)  # scripted: --block-size is the scripted drafter's W (default 16)
+    add_kernel_args(p)
+    add_scheduler_args(p)
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

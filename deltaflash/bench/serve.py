@@ -23,7 +23,7 @@ from pathlib import Path
 
 from deltaflash.bench.common import machine, print_table, write_json
 from deltaflash.bench.e2e_stats import latency_summary
-from deltaflash.engine.args import add_engine_args
+from deltaflash.engine.args import add_engine_args, add_scheduler_args, given_flags
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Trace:
 def register(sub) -> None:
     p = sub.add_parser("serve", help="load test of `deltaflash serve`: concurrent streaming clients on loopback")
     add_engine_args(p)
+    add_scheduler_args(p)
     p.add_argument("--url", default=None, help="an already running server (default: start one on 127.0.0.1)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-concurrency", type=int, default=8, help="slots of the server this bench starts")
@@ -210,22 +211,18 @@ def _summarize(traces: list[Trace], solo: list[list[int]], wall: float, idle: bo
                                    len(t.token_ids)) for t in traces if t.chunk_times])
 
 
+def server_command(args) -> list[str]:
+    """The `deltaflash serve` command this bench starts: every engine and scheduler flag it was given."""
+    return [sys.executable, "-m", "deltaflash", "serve", "--host", "127.0.0.1", "--port", "0",
+            "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.clients),
+            *given_flags(args, add_engine_args), *given_flags(args, add_scheduler_args),
+            *(["--api-key", args.api_key] if args.api_key else []),
+            *(["--no-host-overlap"] if args.no_host_overlap else [])]
+
+
 def _start_server(args):
     """`deltaflash serve` on 127.0.0.1, any free port; returns (url, process, log file)."""
-    cmd = [sys.executable, "-m", "deltaflash", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.clients),
-           "--block-size", str(args.block_size), "--page-size", str(args.page_size),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    for flag, value in (("--model", args.model), ("--draft", args.draft), ("--device", args.device),
-                        ("--dtype", args.dtype), ("--api-key", args.api_key), ("--max-model-len", args.max_model_len),
-                        ("--kv-cache-memory", args.kv_cache_memory), ("--speculation", args.speculation),
-                        ("--skinny-gemm", args.skinny_gemm), ("--tree-budget", args.tree_budget),
-                        ("--tree-top-k", args.tree_top_k),
-                        ("--tensor-parallel-size", args.tensor_parallel_size)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    cmd += [flag for flag, on in (("--batch-invariant", args.batch_invariant), ("--no-host-overlap", args.no_host_overlap))
-            if on]
+    cmd = server_command(args)
     log = tempfile.NamedTemporaryFile("w+", prefix="deltaflash-bench-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

@@ -1,9 +1,10 @@
-"""The command-line flags that build an engine (`generate`, `serve`, `bench serve`), and the engine
-they describe. Checks every flag before any weight is loaded."""
+"""The command-line flags that build an engine (`generate`, `serve`, `bench serve`, `bench e2e`), and the
+engine they describe. Checks every flag before any weight is loaded."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from deltaflash.bundled import BUNDLED
@@ -12,33 +13,11 @@ from deltaflash.errors import DeltaflashError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The flags every command that builds an engine takes (generate, serve, bench serve)."""
+    """The flags every command that builds an engine from a checkpoint takes (generate, serve, bench serve)."""
     p.add_argument("--model", help="Hugging Face checkpoint folder of the target (default: the bundled demo pair)")
     p.add_argument("--draft", help="DFlash / DFlash2 drafter folder (enables speculative decoding)")
-    p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
-    p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
-                   help="adaptive: each round verifies the width (1, powers of two, the block) that maximises expected "
-                        "tokens per second from the lanes' acceptance and the measured round cost; fixed: the block; "
-                        "auto (default): adaptive on CPU, fixed on CUDA (where adaptive measured slower)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="the target's products through a batch-invariant Triton GEMM instead of cuBLAS, so a token's "
-                        "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
-                        "opt-in: its speed is not measured yet)")
-    p.add_argument("--skinny-gemm", default="auto", metavar="auto|off|TABLE",
-                   help="products of rounds of at most 64 rows through a split-K Triton GEMM where a table tuned on "
-                        "the device (bench/tune_skinny.py) measured it faster than cuBLAS: auto (default) = the "
-                        "table shipped for this GPU, if any; off = cuBLAS; or the path of a table")
-    p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy rounds (chains, or trees with --tree-budget) replay one CUDA graph each (draft, "
-                        "verify, accept, commit) instead of three graphs and ~25-70 launches (default: on with CUDA "
-                        "graphs and the fused kernels; --no-round-graphs or DELTAFLASH_NO_ROUND_GRAPHS=1 turns it off)")
-    p.add_argument("--tree-budget", type=int, default=0,
-                   help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
-    p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
-    p.add_argument("--tree-max-lanes", type=int, default=None,
-                   help="with --tree-budget: rounds of more decoding lanes than this verify top-1 chains instead "
-                        "(0: trees at every load; default: each round takes trees or chains by the tokens per "
-                        "second each has measured at that load)")
+    add_speculation_args(p)
+    add_kernel_args(p)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
@@ -55,6 +34,94 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine may use in all: weights, slot state, CUDA graphs, "
                         "activations and the K/V pages that fill the rest (default 0.9)")
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """How an engine with a drafter speculates (the engine commands and `bench e2e`)."""
+    p.add_argument("--block-size", type=int, default=0, help="speculative block W (default: the drafter's)")
+    p.add_argument("--speculation", choices=["auto", "adaptive", "fixed"], default="auto",
+                   help="adaptive: each round verifies the width (1, powers of two, the block) that maximises expected "
+                        "tokens per second from the lanes' acceptance and the measured round cost; fixed: the block; "
+                        "auto (default): adaptive on CPU, fixed on CUDA (where adaptive measured slower)")
+    p.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy rounds (chains, or trees with --tree-budget) replay one CUDA graph each (draft, "
+                        "verify, accept, commit) instead of three graphs and ~25-70 launches (default: on with CUDA "
+                        "graphs and the fused kernels; --no-round-graphs or DELTAFLASH_NO_ROUND_GRAPHS=1 turns it off)")
+    p.add_argument("--tree-budget", type=int, default=0,
+                   help="verify draft trees of N nodes built from the drafter's block (0: its top-1 chain)")
+    p.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth a draft tree may branch into")
+    p.add_argument("--tree-max-lanes", type=int, default=None,
+                   help="with --tree-budget: rounds of more decoding lanes than this verify top-1 chains instead "
+                        "(0: trees at every load; default: each round takes trees or chains by the tokens per "
+                        "second each has measured at that load)")
+
+
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """Which kernels the target's products run on (the engine commands and `bench e2e`)."""
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's products through a batch-invariant Triton GEMM instead of cuBLAS, so a token's "
+                        "logits never depend on what it is batched with (exact speculative == target-only on a GPU; "
+                        "opt-in: its speed is not measured yet)")
+    p.add_argument("--skinny-gemm", default="auto", metavar="auto|off|TABLE",
+                   help="products of rounds of at most 64 rows through a split-K Triton GEMM where a table tuned on "
+                        "the device (bench/tune_skinny.py) measured it faster than cuBLAS: auto (default) = the "
+                        "table shipped for this GPU, if any; off = cuBLAS; or the path of a table")
+
+
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """How each step shares the device between the running rounds and the waiting prompts (serve, bench serve,
+    bench e2e). The defaults are EngineConfig's (tests/test_cli.py holds them equal)."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="prompt tokens one step prefills, in chunks, beside every running lane's round (which "
+                        "always runs): a prompt arriving stalls the running streams by at most this much prefill")
+    p.add_argument("--scale-prefill-budget", action=argparse.BooleanOptionalAction, default=None,
+                   help="beside a speculative round, scale --max-num-batched-tokens by the round's measured cost "
+                        "over a plain round's (up to --idle-prefill-tokens): prompts keep the share of each step "
+                        "they get beside plain decoding (default: on for speculative engines of one rank)")
+    p.add_argument("--max-prefill-stall", type=float, default=0.0,
+                   help="beside a round, prefill at most the prompt tokens whose measured cost is this many plain "
+                        "rounds (within --max-num-batched-tokens): a prompt arriving stretches a running stream's "
+                        "inter-token time to about 1 + this many rounds at any load; 0: off")
+    p.add_argument("--idle-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
+                        "chunks, faster time to first token); at least --max-num-batched-tokens")
+
+
+def speculation_config(args) -> dict:
+    """The EngineConfig fields of `add_speculation_args`' flags."""
+    return {"block_size": args.block_size, "speculation": args.speculation, "round_graphs": args.round_graphs,
+            "tree_budget": args.tree_budget, "tree_top_k": args.tree_top_k, "tree_max_lanes": args.tree_max_lanes}
+
+
+def kernel_config(args) -> dict:
+    """The EngineConfig fields of `add_kernel_args`' flags."""
+    return {"batch_invariant": args.batch_invariant, "skinny_gemm": args.skinny_gemm}
+
+
+def scheduler_config(args) -> dict:
+    """The EngineConfig fields of `add_scheduler_args`' flags."""
+    return {"max_num_batched_tokens": args.max_num_batched_tokens, "scale_prefill_budget": args.scale_prefill_budget,
+            "max_prefill_stall": args.max_prefill_stall, "idle_prefill_tokens": args.idle_prefill_tokens}
+
+
+def given_flags(args, add: Callable[[argparse.ArgumentParser], None]) -> list[str]:
+    """The flags `add` defines that `args` holds at other than their defaults, as command-line words: a
+    command passing its engine flags on to a process it starts (`bench serve` -> `deltaflash serve`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add(parser)
+    words = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # store_true
+            words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return words
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
@@ -96,6 +163,15 @@ def check_engine_flags(args) -> None:
             raise DeltaflashError(f"--skinny-gemm {e}") from None
 
 
+def check_scheduler_flags(args) -> None:
+    """The ranges of `add_scheduler_args`' flags (before anything loads)."""
+    for name, value, low in (("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--idle-prefill-tokens", args.idle_prefill_tokens, 1),
+                             ("--max-prefill-stall", args.max_prefill_stall, 0)):
+        if value < low:
+            raise DeltaflashError(f"{name} must be >= {low}, got {value}")
+
+
 def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_parallel=None, **config):
     """The engine `add_engine_args` flags describe (the bundled demo pair without --model);
     `config`: more EngineConfig fields. tensor_parallel: this rank's place when the command runs on
@@ -129,11 +205,8 @@ def engine_from_args(args, max_slots: int = 1, progress: bool = True, tensor_par
             raise DeltaflashError(f"--device {args.device}: CUDA is not available on this machine")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return Engine.from_pretrained(args.model, args.draft, device=args.device, dtype=dtype, progress=progress,
-                                  tensor_parallel=tensor_parallel,
-                                  max_slots=max_slots, max_model_len=args.max_model_len, block_size=args.block_size,
-                                  page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
-                                  tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                                  tree_max_lanes=args.tree_max_lanes,
-                                  speculation=args.speculation, batch_invariant=args.batch_invariant,
-                                  skinny_gemm=args.skinny_gemm,
-                                  round_graphs=args.round_graphs, gpu_memory_utilization=args.gpu_memory_utilization, **config)
+                                  tensor_parallel=tensor_parallel, max_slots=max_slots,
+                                  max_model_len=args.max_model_len, page_size=args.page_size,
+                                  kv_cache_memory=args.kv_cache_memory,
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
+                                  **speculation_config(args), **kernel_config(args), **config)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from deltaflash.engine.args import add_engine_args, check_engine_flags
+from deltaflash.engine.args import add_engine_args, add_scheduler_args, check_engine_flags, check_scheduler_flags
 from deltaflash.errors import DeltaflashError
 
 
@@ -15,20 +14,7 @@ def register(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=8, help="slots: sequences served together")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests admitted beyond the slots to wait for one; more get HTTP 429")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="prompt tokens one step prefills, in chunks, beside every running lane's round (which "
-                        "always runs): a prompt arriving stalls the running streams by at most this much prefill")
-    p.add_argument("--scale-prefill-budget", action=argparse.BooleanOptionalAction, default=None,
-                   help="beside a speculative round, scale --max-num-batched-tokens by the round's measured cost "
-                        "over a plain round's (up to --idle-prefill-tokens): prompts keep the share of each step "
-                        "they get beside plain decoding (default: on for speculative engines of one rank)")
-    p.add_argument("--max-prefill-stall", type=float, default=0.0,
-                   help="beside a round, prefill at most the prompt tokens whose measured cost is this many plain "
-                        "rounds (within --max-num-batched-tokens): a prompt arriving stretches a running stream's "
-                        "inter-token time to about 1 + this many rounds at any load; 0: off")
-    p.add_argument("--idle-prefill-tokens", type=int, default=2048,
-                   help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
-                        "chunks, faster time to first token); at least --max-num-batched-tokens")
+    add_scheduler_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the chosen one is printed)")
     p.add_argument("--api-key", default=os.environ.get("DELTAFLASH_API_KEY"),
@@ -60,11 +46,9 @@ def check_flags(args) -> None:
     """The numeric flags' ranges (the engine's flags that need files are checked before loading, in
     engine/args.py)."""
     check_engine_flags(args)
+    check_scheduler_flags(args)
     for name, value, low, high in (("--max-concurrency", args.max_concurrency, 1, None),
                                    ("--max-queue", args.max_queue, 0, None),
-                                   ("--max-num-batched-tokens", args.max_num_batched_tokens, 1, None),
-                                   ("--idle-prefill-tokens", args.idle_prefill_tokens, 1, None),
-                                   ("--max-prefill-stall", args.max_prefill_stall, 0, None),
                                    ("--request-timeout", args.request_timeout, 0, None),
                                    ("--shutdown-timeout", args.shutdown_timeout, 0, None),
                                    ("--port", args.port, 0, 65535)):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
-from deltaflash.engine.args import engine_from_args
+from deltaflash.engine.args import engine_from_args, scheduler_config
 from deltaflash.engine.engine import Engine
 from deltaflash.errors import DeltaflashError
 from deltaflash.server.app import ServerSettings, build_app
@@ -85,11 +85,9 @@ def _serve(args, sock, port: int, engine, t0: float) -> int:
 
 
 def build_engine(args, tensor_parallel=None) -> Engine:
-    return engine_from_args(args, max_slots=args.max_concurrency, progress=tensor_parallel is None or
-                            tensor_parallel.rank == 0, max_num_batched_tokens=args.max_num_batched_tokens,
-                            idle_prefill_tokens=args.idle_prefill_tokens,
-                            scale_prefill_budget=args.scale_prefill_budget, max_prefill_stall=args.max_prefill_stall,
-                            tensor_parallel=tensor_parallel)
+    return engine_from_args(args, max_slots=args.max_concurrency,
+                            progress=tensor_parallel is None or tensor_parallel.rank == 0,
+                            tensor_parallel=tensor_parallel, **scheduler_config(args))
 
 
 class DrainingServer(uvicorn.Server):

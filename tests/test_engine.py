@@ -2,6 +2,7 @@
 stage, slot reuse with a drafter, mixed greedy and sampled lanes, the package's import floors."""
 
 import ast
+import dataclasses
 import functools
 from collections import defaultdict
 from pathlib import Path
@@ -234,9 +235,31 @@ def test_the_stall_budget_settles_where_the_prefill_costs_the_stall():
     assert budgets[0] == 4096 and budgets[1] < 4096 and budgets[-3:] == [4096] * 3, budgets
 
 
+def test_the_stall_budget_takes_whole_prefill_graph_chunks():
+    """With prefill graphs a chunk replays the graph of the next power-of-two rows, padded, so the stall budget
+    goes down to whole graph chunks: rows that cost S rounds by the line (451) make a 256-token budget, not a
+    451-token one (which would run - and cost - 512 rows). A graph's rows and the user's budget stay as they
+    are; without prefill graphs the line's rows are the budget."""
+    c = 6.7e-3
+    costs = RoundCosts(seeds={(2, 1): c, (2, 4): 2 * c}, buckets=(1, 2, 4))
+    eager, _ = two_decoding_and_a_long_prompt(3000, costs=costs, idle_prefill_tokens=2048, max_num_batched_tokens=512,
+                                              max_prefill_stall=2.0)
+    graphed, _ = two_decoding_and_a_long_prompt(3000, costs=costs, idle_prefill_tokens=2048,
+                                                max_num_batched_tokens=512, max_prefill_stall=2.0)
+    graphed.config = dataclasses.replace(graphed.config, prefill_graphs=True)
+    for rows_in_two_rounds, eager_budget, graphed_budget in ((451.5, 451, 256), (256.5, 256, 256), (130, 130, 128),
+                                                             (700, 512, 512), (20, 64, 64)):
+        costs.forget()
+        costs.prefill.observe(512, 512 * 2 * c / rows_in_two_rounds)  # one size measured: a per-row cost
+        assert (eager.stall_budget(2), graphed.stall_budget(2)) == (eager_budget, graphed_budget), rows_in_two_rounds
+    with graphed.pinned(width=1):
+        plan = graphed.schedule()
+    assert [len(chunk.tokens) for chunk in plan.prefill] == [64]
+
+
 def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(pairs):
     """A target-only engine with max_prefill_stall calibrates round costs, records what each step that
-    prefills beside a round added (its tokens), and budgets those steps by the rule (the costs frozen here:
+    prefills beside a round added (its rows: eagerly, its tokens), and budgets those steps by the rule (the costs frozen here:
     the CPU's timings decide nothing); outputs equal each prompt's solo output."""
     target_dir, _ = pairs["dflash"]
     plist = prompts(96, [5, 8, 200], seed=9)
@@ -260,7 +283,7 @@ def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(p
             out[ev.request_id] += ev.token_ids
     beside = [r for r in reports if r.prefill_tokens and r.decode_lanes]
     assert len(beside) >= 2 and all(r.prefill_budget == 80 and r.prefill_tokens <= 80 for r in beside)
-    assert observed == [r.prefill_tokens for r in beside]
+    assert observed == [r.prefill_rows for r in beside] == [r.prefill_tokens for r in beside]
     assert [out[i] for i in ids] == solo
 
 
@@ -281,6 +304,28 @@ def test_a_scaled_budget_finishes_a_prompt_a_few_tokens_short_of_its_end(prompt_
     assert got == taken and plan.prefill[0].last
     exact, _ = two_decoding_and_a_long_prompt(23, costs=costs, scale_prefill_budget=False)
     assert [len(c.tokens) for c in exact.schedule().prefill] == [20]  # (3 left: still the next step's)
+
+
+def test_a_scaled_cut_fills_the_padding_of_its_prefill_graph():
+    """With prefill graphs, a chunk a scaled budget cuts (50 tokens beside a speculative round) grows to the rows
+    of the graph it replays (64): prompt tokens instead of padding. Not past the prompt's end or the graphs'
+    reach (config.round_prefill_tokens), not without graphs, and never for a budget the user set (the step
+    budget beside a plain round is exact)."""
+    costs = RoundCosts(seeds={(2, 1): 1.0, (2, 4): 2.5}, buckets=(1, 2, 4))
+
+    def first_chunks(prompt_len, graphs=True, **options):
+        scheduler, _ = two_decoding_and_a_long_prompt(prompt_len, costs=costs, **options)
+        scheduler.config = dataclasses.replace(scheduler.config, prefill_graphs=graphs)
+        plan = scheduler.schedule()
+        with scheduler.pinned(width=1):
+            plain = scheduler.schedule()
+        return plan.round_width, [len(c.tokens) for c in plan.prefill], plan.prefill_budget, \
+            [len(c.tokens) for c in plain.prefill]
+
+    assert first_chunks(300) == (4, [64], 64, [20])
+    assert first_chunks(60) == (4, [60], 60, [20])  # the prompt's end first
+    assert first_chunks(300, graphs=False) == (4, [50], 50, [20])
+    assert first_chunks(300, idle_prefill_tokens=60)[1] == [50]  # no 64-row graph within the reach of 60
 
 
 def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):

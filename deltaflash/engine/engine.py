@@ -242,9 +242,9 @@ class Engine:
             bucket = costs.bucket(len(plan.decode))
             if not plan.prefill:
                 costs.observe(bucket, plan.round_width, result.decode_s)
-            elif self.config.max_prefill_stall:  # what the prefill added to the step (Scheduler.stall_budget)
-                costs.prefill.observe(sum(len(c.tokens) for c in plan.prefill), result.prefill_s + result.decode_s
-                                      - costs.cost(bucket, plan.round_width))
+            elif self.config.max_prefill_stall:  # what the prefill's rows (a graph's padding included) added
+                costs.prefill.observe(result.prefill_rows, result.prefill_s + result.decode_s  # to the step
+                                      - costs.cost(bucket, plan.round_width))  # (Scheduler.stall_budget)
         if choice is not None and plan.round_width > 1:
             choice.observe(len(plan.decode), bool(plan.tree_budget), result.decode_s,
                            [n + 1 for n, w in zip(out.accepted, plan.widths) if w > 1], clean=not plan.prefill)

@@ -150,7 +150,8 @@ class Scheduler:
             admitted.append(seq)
         released, self._released = tuple(self._released), []
         budget = self.prefill_budget(len(decode), round_width)
-        prefill = tuple(self._prefill_chunks(budget, self.prefill_slack(budget, len(decode), round_width)))
+        fill = bool(decode) and self._scaled(round_width) and bool(self.config.prefill_graphs)
+        prefill = tuple(self._prefill_chunks(budget, self.prefill_slack(budget, len(decode), round_width), fill))
         budget = max(budget, sum(len(c.tokens) for c in prefill))  # (the plan's: what the step could take)
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill, decode=tuple(decode),
@@ -172,14 +173,20 @@ class Scheduler:
 
     def stall_budget(self, lanes: int) -> int:
         """The step budget beside a plain round of `lanes` lanes: config.max_num_batched_tokens, or, with
-        config.max_prefill_stall S and the measured cost of prompt tokens beside a round
-        (RoundCosts.prefill), the tokens whose prefill costs S plain rounds (so a step with a prompt chunk
-        takes about 1 + S rounds: a stream's inter-token p99 against its p50), at least PREFILL_ROWS - or
-        the step budget where even those would cost more (PrefillCost.tokens_within)."""
+        config.max_prefill_stall S and the measured cost of prompt rows beside a round (RoundCosts.prefill),
+        the rows whose prefill costs S plain rounds (so a step with a prompt chunk takes about 1 + S rounds: a
+        stream's inter-token p99 against its p50), at least PREFILL_ROWS - or the step budget where even
+        those would cost more (PrefillCost.tokens_within). With prefill graphs, rows below the step budget
+        go down to a graph's chunk rows (prefill_tile): a chunk of 451 tokens would replay the 512-row graph
+        and cost what 512 rows do."""
         budget, stall, costs = self.config.max_num_batched_tokens, self.config.max_prefill_stall, self.costs
         if not stall or costs is None:
             return budget
-        return costs.prefill.tokens_within(stall * costs.cost(costs.bucket(lanes), 1), min(PREFILL_ROWS, budget), budget)
+        rows = costs.prefill.tokens_within(stall * costs.cost(costs.bucket(lanes), 1), min(PREFILL_ROWS, budget),
+                                           budget)
+        if rows < budget and self.config.prefill_graphs and rows != prefill_tile(rows):
+            rows = max(PREFILL_ROWS, prefill_tile(rows) // 2)
+        return min(rows, budget)
 
     def prefill_slack(self, budget: int, lanes: int, round_width: int) -> int:
         """Tokens a scaled budget (prefill_budget) may be exceeded by to finish a prompt: an eighth of it, within
@@ -272,10 +279,13 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _prefill_chunks(self, budget: int, slack: int = 0) -> list[PrefillChunk]:
+    def _prefill_chunks(self, budget: int, slack: int = 0, fill: bool = False) -> list[PrefillChunk]:
         """Prompt chunks of at most `budget` tokens in all, oldest prompt first; a prompt whose rest would be
         at most `slack` tokens goes in whole (the step then takes up to `slack` more: prefill_slack) where
-        the whole pads to the same graph shape as the cut chunk."""
+        the whole pads to the same graph shape as the cut chunk. `fill` (a scaled budget, prefill graphs): a
+        chunk the budget cuts grows to its graph's rows (prefill_tile; within config.round_prefill_tokens),
+        prompt tokens in place of padding the replay would compute anyway - a 768-token cut of a long prompt
+        replays the 1024-row graph, so it takes 1024 tokens for the same device time."""
         chunks = []
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
@@ -283,6 +293,8 @@ class Scheduler:
             n = min(seq.prompt_left, budget)
             if seq.prompt_left - n <= slack and prefill_tile(seq.prompt_left) == prefill_tile(n):
                 n = seq.prompt_left  # (not where the whole would need a longer graph shape than the cut)
+            elif fill and n < seq.prompt_left and prefill_tile(n) <= self.config.round_prefill_tokens:
+                n = min(seq.prompt_left, prefill_tile(n))
             start = seq.num_prefilled
             last = n == seq.prompt_left
             chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,

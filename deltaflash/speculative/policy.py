@@ -149,10 +149,10 @@ class RoundCosts:
 
 @dataclass
 class PrefillCost:
-    """Seconds n prompt tokens add to a step beside a round, a + b n, from the steps measured (decayed sums,
-    DECAY per step). While the tokens measured vary enough the line is fitted; else b is their mean cost
-    per token and a is 0 (tokens_within then moves the budget, and the budgets it sets settle where
-    a + b n is the time allowed: n' = allowed n / (a + b n) has that fixed point)."""
+    """Seconds n prompt rows (a graph's padding included) add to a step beside a round, a + b n, from the
+    steps measured (decayed sums, DECAY per step). While the rows measured vary enough the line is fitted;
+    else b is their mean cost per row and a is 0 (tokens_within then moves the budget, and the budgets it
+    sets settle where a + b n is the time allowed: n' = allowed n / (a + b n) has that fixed point)."""
 
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, n, n^2, seconds, n x seconds
 

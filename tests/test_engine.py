@@ -100,9 +100,10 @@ def test_scheduler_widths_follow_the_tokens_left():
 
 
 def two_decoding_and_a_long_prompt(prompt_len: int, costs: RoundCosts | None = None, idle_prefill_tokens: int = 100,
-                                   max_num_batched_tokens: int = 20, **options) -> tuple[Scheduler, list[Sequence]]:
+                                   max_num_batched_tokens: int = 20, max_slots: int = 4,
+                                   **options) -> tuple[Scheduler, list[Sequence]]:
     """A scheduler (step budget 20, block 4) whose lanes a and b decode, with a `prompt_len`-token prompt waiting."""
-    config = EngineConfig(max_slots=4, max_num_batched_tokens=max_num_batched_tokens,
+    config = EngineConfig(max_slots=max_slots, max_num_batched_tokens=max_num_batched_tokens,
                           idle_prefill_tokens=idle_prefill_tokens, block_size=4, **options).resolve(torch.device("cpu"), 4)
     scheduler = Scheduler(config, num_pages=1000, costs=costs)
     running = [sequence(rid, 3, max_new=50) for rid in "ab"]
@@ -326,6 +327,16 @@ def test_a_scaled_cut_fills_the_padding_of_its_prefill_graph():
     assert first_chunks(60) == (4, [60], 60, [20])  # the prompt's end first
     assert first_chunks(300, graphs=False) == (4, [50], 50, [20])
     assert first_chunks(300, idle_prefill_tokens=60)[1] == [50]  # no 64-row graph within the reach of 60
+
+    def behind_short_prompts(*short):
+        scheduler, _ = two_decoding_and_a_long_prompt(short[0], costs=costs, max_slots=8)
+        for i, n in enumerate([*short[1:], 300]):
+            scheduler.add(sequence(f"p{i}", n))
+        scheduler.config = dataclasses.replace(scheduler.config, prefill_graphs=True)
+        return [len(c.tokens) for c in scheduler.schedule().prefill]
+
+    assert behind_short_prompts(5) == [5, 64]  # 2 lanes x 64 rows for 50 replay a graph: the cut fills it
+    assert behind_short_prompts(5, 5) == [5, 5, 40]  # 4 x 64 rows for 50 pad too much (an eager step): no fill
 
 
 def test_a_long_prompt_arriving_never_costs_the_running_streams_a_round(pairs):

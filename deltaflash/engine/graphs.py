@@ -96,6 +96,13 @@ def padded_rows_allowed(rows: int) -> int:
     return 2 * rows + PREFILL_ROWS
 
 
+def pads_within_reason(lanes: int, shape: int, rows: int) -> bool:
+    """Whether a prefill step of `lanes` chunks, `rows` rows in all, the longest padding to `shape` rows,
+    may replay a graph: its lanes' power-of-two bucket x shape within padded_rows_allowed(rows) (judged at
+    that bucket, so the 3 x 2^k ones, which only pad less, change nothing)."""
+    return buckets_for(lanes)[-1] * shape <= padded_rows_allowed(rows)
+
+
 def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget: int = 0
                    ) -> tuple[tuple[int, int], ...]:
     """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the

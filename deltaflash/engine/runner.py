@@ -29,7 +29,7 @@ from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOu
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, CudaGraphs, buckets_for,
-                                      padded_rows_allowed, prefill_lane_buckets, prefill_shapes)
+                                      pads_within_reason, prefill_lane_buckets, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -435,8 +435,7 @@ class ModelRunner:
         if all(c.start == 0 for c in chunks):  # first chunks only: their attention reads no page
             graphs = self.fresh_prefill_graphs.get(shape, graphs)
         lanes = next((b for b in graphs.buckets if b >= L), None)
-        rows = sum(len(c.tokens) for c in chunks)  # (graph or eager: judged at the power-of-two bucket, so the
-        if lanes is None or buckets_for(L)[-1] * shape > padded_rows_allowed(rows):  # 3 x 2^k ones only pad less)
+        if lanes is None or not pads_within_reason(L, shape, sum(len(c.tokens) for c in chunks)):
             return None
         slots = [c.seq.slot for c in chunks]
         spare = 0 if lanes == L else next((s for s in range(self.pool.num_slots) if s not in slots), None)

@@ -26,7 +26,7 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import PREFILL_ROWS, prefill_tile
+from deltaflash.engine.graphs import PREFILL_ROWS, pads_within_reason, prefill_tile
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
@@ -285,16 +285,19 @@ class Scheduler:
         the whole pads to the same graph shape as the cut chunk. `fill` (a scaled budget, prefill graphs): a
         chunk the budget cuts grows to its graph's rows (prefill_tile; within config.round_prefill_tokens),
         prompt tokens in place of padding the replay would compute anyway - a 768-token cut of a long prompt
-        replays the 1024-row graph, so it takes 1024 tokens for the same device time."""
-        chunks = []
+        replays the 1024-row graph, so it takes 1024 tokens for the same device time - where the step replays
+        a graph (pads_within_reason; not where its padding sends it down the eager path, where rows cost)."""
+        chunks, lens = [], []
         for seq in self.running.values():
             if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
                 continue
             n = min(seq.prompt_left, budget)
             if seq.prompt_left - n <= slack and prefill_tile(seq.prompt_left) == prefill_tile(n):
                 n = seq.prompt_left  # (not where the whole would need a longer graph shape than the cut)
-            elif fill and n < seq.prompt_left and prefill_tile(n) <= self.config.round_prefill_tokens:
+            elif fill and n < seq.prompt_left and prefill_tile(n) <= self.config.round_prefill_tokens and \
+                    pads_within_reason(len(lens) + 1, prefill_tile(max(lens + [n])), sum(lens) + n):
                 n = min(seq.prompt_left, prefill_tile(n))
+            lens.append(n)
             start = seq.num_prefilled
             last = n == seq.prompt_left
             chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,

@@ -5,6 +5,7 @@ graphs there); DELTAFLASH_TEST_DEVICE=cuda runs the same tests on the real graph
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -328,3 +329,32 @@ def test_prefill_graphs_on_the_fused_kernels(pair):
     for got, want in zip(done, plain):
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
                                    torch.tensor([lp.logprob for lp in want.logprobs]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_scaled_budget_cut_takes_the_rows_of_the_graph_it_replays(pair):
+    """Beside a speculative round the step budget (40) is scaled by the round's cost over a plain one's (1.5,
+    frozen here: the CPU's timings decide nothing) to 60 tokens; with prefill graphs each cut of the arriving
+    prompt takes the 64 rows of the graph it replays instead of 60 and 4 padding rows. Outputs equal those of
+    the eager engine, which cuts 60."""
+    config = dict(max_slots=4, max_num_batched_tokens=40, idle_prefill_tokens=256)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    batch = prompts(96, [20, 200], seed=11)
+    chunks = {}
+    outputs = {}
+    for graphs in (False, True):
+        engine = engine_for(pair[0], pair[1], **config, **({} if graphs else {"prefill_graphs": False}))
+        if graphs:
+            Replays(engine.runner)  # (on the CPU: the graphs' stand-ins, which the scheduler is told of)
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_graphs=True)
+        engine.scheduler.costs.cost = lambda bucket, width: 0.01 * (1.5 if width > 1 else 1.0)
+        first = engine.add_request(batch[0], params)
+        got, reports = {first: [ev for ev in engine.step()]}, []
+        second = engine.add_request(batch[1], params)
+        while engine.has_work():
+            for ev in engine.step(on_report=reports.append):
+                got.setdefault(ev.request_id, []).append(ev)
+        outputs[graphs] = [[t for ev in got[rid] for t in ev.token_ids] for rid in (first, second)]
+        chunks[graphs] = [r.prefill_tokens for r in reports if r.prefill_tokens]
+        assert all(r.decode_lanes == 1 for r in reports if r.prefill_tokens)  # each beside the first's round
+    assert chunks == {False: [60, 60, 60, 20], True: [64, 64, 64, 8]}
+    assert outputs[True] == outputs[False]

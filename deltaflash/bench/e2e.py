@@ -407,8 +407,7 @@ def run(args) -> int:
         result = sweep(workload, args.concurrency, profile=not args.no_profile, bar=bar, least_requests=args.requests,
                        repeats=args.repeats)
     result["machine"] = machine()
-    result["meta"].update(max_num_batched_tokens=args.max_num_batched_tokens, skinny_gemm=args.skinny_gemm,
-                          max_prefill_stall=args.max_prefill_stall)
+    result["meta"].update(**kernel_config(args), **scheduler_config(args))  # every flag the engines were built with
     out = Path(args.out)
     report(result)
     write_json(out / f"e2e-{workload.name}.json", result)  # kept even if the reference runs are cut short

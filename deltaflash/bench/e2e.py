@@ -245,6 +245,10 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
                             # the rounds beside them: lanes and the widest lane's rows (what a step pays beside its prefill)
                             "lanes_mean": sum(r.decode_lanes for _, r in prefilling) / n if n else None,
                             "round_rows_mean": sum(max(r.widths, default=0) for _, r in prefilling) / n if n else None}
+    for path, graphed in (("graph", True), ("eager", False)):  # a replayed graph, or launches one by one
+        walls = [s for s, r in prefilling if bool(r.prefill_graphed) == graphed]
+        out["prefill_steps"] |= {f"{path}_steps": len(walls),
+                                 f"{path}_step_p50_ms": 1e3 * percentile(walls, 50) if walls else None}
     return out
 
 

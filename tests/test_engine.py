@@ -12,6 +12,7 @@ import torch
 
 from deltaflash.core.request import SamplingParams, Sequence, Status
 from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.graphs import prefill_shapes
 from deltaflash.engine.scheduler import Scheduler
 from deltaflash.errors import DeltaflashError
 from deltaflash.speculative.policy import RoundCosts
@@ -256,6 +257,32 @@ def test_the_stall_budget_takes_whole_prefill_graph_chunks():
     with graphed.pinned(width=1):
         plan = graphed.schedule()
     assert [len(chunk.tokens) for chunk in plan.prefill] == [64]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_prompts_of_straddling_lengths_are_cut_to_a_graph_where_an_eager_step_costs_more(graphs):
+    """Eight prompts of 90-140 tokens at an idle engine (budget 2048; prefill graphs of 8 lanes x 64 and x 128
+    rows, 4 x 256, ...): whole, they need 8 lanes of 256 rows, which no graph holds - an eager step. Where its
+    launching costs what 4,000 rows of graph work do (a small model), they are cut to the graph shape that
+    takes the most tokens beating that: 8 x 128 (871 tokens; 4 x 256 would take 440). Where it costs 500 rows
+    (a large model, an eager step of 893 rows: 1 token a row) no cut beats it: no cut. Nor with prompts that
+    fit a graph whole, a cost not measured, or no prefill graphs."""
+    config = EngineConfig(max_slots=8, max_num_batched_tokens=512, idle_prefill_tokens=2048, max_model_len=4096)
+    config = dataclasses.replace(config.resolve(torch.device("cpu"), None), prefill_graphs=graphs)
+    shapes = dict(prefill_shapes(512, 8, 4096, 2048))
+    assert (shapes[64], shapes[128], shapes[256]) == (8, 8, 4)
+
+    def first_step(lengths, eager_rows):
+        scheduler = Scheduler(config, num_pages=1000)
+        scheduler.eager_prefill_rows = eager_rows
+        for i, n in enumerate(lengths):
+            scheduler.add(sequence(f"p{i}", n))
+        return [len(c.tokens) for c in scheduler.schedule().prefill]
+
+    straddling = [100, 140, 90, 110, 130, 120, 100, 95]
+    assert first_step(straddling, 4000) == ([100, 128, 90, 110, 128, 120, 100, 95] if graphs else straddling)
+    assert first_step(straddling, 500) == first_step(straddling, 0) == straddling
+    assert first_step([100, 120, 90, 110], 4000) == [100, 120, 90, 110]  # 4 x 128: a graph whole
 
 
 def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(pairs):

@@ -34,9 +34,10 @@ def pair(pairs):
 
 class Replays:
     """Wraps each prefill graph's `run` (or, on the CPU, stands in for the graphs by calling the captured
-    function eagerly) and records the slot ids of every replay."""
+    function eagerly, and tells the scheduler they are there) and records the slot ids of every replay."""
 
-    def __init__(self, runner):
+    def __init__(self, engine):
+        runner = engine.runner
         self.calls: list[list[int]] = []
         self.shapes: list[int] = []  # the rows T of each replayed graph
         self.fresh: list[bool] = []  # whether each was a first chunk's graph (runner.fresh_prefill_graphs)
@@ -45,6 +46,7 @@ class Replays:
             shapes = prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
                                     config.idle_prefill_tokens)
             runner.prefill_graphs = {T: _Eager(runner._prefill_rows, T, lanes) for T, lanes in shapes}
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_graphs=True)
             if runner.kernels.prefill_attention is not None:  # what the runner registers on CUDA
                 first = functools.partial(runner._prefill_rows, starts_sequences=True)
                 runner.fresh_prefill_graphs = {T: _Eager(first, T, lanes) for T, lanes in shapes
@@ -117,7 +119,9 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     config = dict(max_slots=10, max_num_batched_tokens=256, idle_prefill_tokens=256)
     plain = engine_for(target, draft, prefill_graphs=False, **config)
     graphed = engine_for(target, draft, **config)  # real graphs on CUDA; on the CPU Replays stands in
-    replays = Replays(graphed.runner)
+    replays = Replays(graphed)
+    # the same plans (the scheduler cuts chunks to the graphs it knows of): replays against eager launches
+    plain.scheduler.config = dataclasses.replace(plain.scheduler.config, prefill_graphs=True)
     # together: [1, 40, 9] pads too much for a graph; [30, 40, 45] replays 4 lanes, one of them padding
     groups = [[5, 70], [3], [230], [1, 40, 9], [30, 40, 45]]
     arrivals = prompts(96, [n for group in groups for n in group], seed=2)
@@ -173,7 +177,7 @@ def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
     batch = prompts(96, [200, 150], seed=8)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
-    replays = Replays(engine.runner)
+    replays = Replays(engine)
     assert engine.runner.prefill_graphs[256].buckets == (1,)
     assert second_arrives_while_first_decodes(engine, batch, params, one_step=True) == \
         second_arrives_while_first_decodes(plain, batch, params, one_step=True)
@@ -193,7 +197,7 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
     batch = prompts(96, [T - 40, 150], seed=9)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
-    replays = Replays(engine.runner)
+    replays = Replays(engine)
     assert set(engine.runner.fresh_prefill_graphs) == {T}
     assert second_arrives_while_first_decodes(engine, batch, params) == \
         second_arrives_while_first_decodes(plain, batch, params)
@@ -216,7 +220,7 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     (prompt,) = prompts(96, [T + 100], seed=10)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
-    replays = Replays(engine.runner)
+    replays = Replays(engine)
     outputs = []
     for e in (plain, engine):
         (done,), _ = e.generate([prompt], params)
@@ -238,7 +242,7 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
     batch = prompts(96, [200, 200, 190, 170], seed=11)
     outputs, engines = [], (engine_for(pair[0], pair[1], prefill_graphs=False, **config),
                             engine_for(pair[0], pair[1], **config))
-    replays = Replays(engines[1].runner)
+    replays = Replays(engines[1])
     reports = []
     for engine in engines:
         ids = [engine.add_request(p, params) for p in batch[:3]]
@@ -255,15 +259,20 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
     assert [(r.prefill_tokens, r.prefill_rows, r.prefill_graphed) for r in reports] == [(590, 590, False),
                                                                                          (590, 768, True)]
     # 400 rows in three chunks: 3 x 256 would be allowed (padded_rows_allowed), 4 x 256 is not, and the
-    # power-of-two bucket decides graph or eager - the step runs eagerly, as before the finer buckets
-    engine = engine_for(pair[0], pair[1], **config)
-    replays = Replays(engine.runner)
+    # power-of-two bucket decides graph or eager - the runner runs such a step eagerly, as before the finer
+    # buckets; a scheduler told that an eager step costs more (eager_prefill_rows, measured on CUDA at start)
+    # cuts the three to 128 rows each and the step replays 3 x 128
     assert 3 * 256 <= padded_rows_allowed(400) < 4 * 256
-    for p in prompts(96, [140, 130, 130], seed=12):
-        engine.add_request(p, params)
-    reports = []
-    engine.step(on_report=reports.append)
-    assert replays.shapes == [] and (reports[0].prefill_rows, reports[0].prefill_graphed) == (400, False)
+    for cuts in (False, True):
+        engine = engine_for(pair[0], pair[1], **config)
+        replays = Replays(engine)
+        engine.scheduler.eager_prefill_rows = 1000.0 if cuts else 0.0
+        for p in prompts(96, [140, 130, 130], seed=12):
+            engine.add_request(p, params)
+        reports = []
+        engine.step(on_report=reports.append)
+        assert (replays.shapes, reports[0].prefill_tokens, reports[0].prefill_rows, reports[0].prefill_graphed) == \
+            (([128], 384, 384, True) if cuts else ([], 400, 400, False))
 
 
 def test_prefill_shapes_cover_the_step_budget():
@@ -298,7 +307,7 @@ def test_preempted_sequences_resume_exactly_through_prefill_graphs(pair):
     eager_engine = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     eager, _ = eager_engine.generate(batch, params)
     tight = engine_for(pair[0], pair[1], **config)
-    replays = Replays(tight.runner)
+    replays = Replays(tight)
     done, _ = tight.generate(batch, params)
     assert [c.token_ids for c in done] == [c.token_ids for c in eager]
     # the first step's four prompts run eagerly (the 64-row shape holds two lanes at this budget); the
@@ -322,7 +331,7 @@ def test_prefill_graphs_on_the_fused_kernels(pair):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
     plain, _ = engine_for(pair[0], pair[1], prefill_graphs=False, **config).generate(batch, params)
     engine = engine_for(pair[0], pair[1], **config)
-    replays = Replays(engine.runner)
+    replays = Replays(engine)
     done, _ = engine.generate(batch, params)
     assert replays.calls and any(-1 in slots for slots in replays.calls)
     assert [c.token_ids for c in done] == [c.token_ids for c in plain]
@@ -344,8 +353,7 @@ def test_a_scaled_budget_cut_takes_the_rows_of_the_graph_it_replays(pair):
     for graphs in (False, True):
         engine = engine_for(pair[0], pair[1], **config, **({} if graphs else {"prefill_graphs": False}))
         if graphs:
-            Replays(engine.runner)  # (on the CPU: the graphs' stand-ins, which the scheduler is told of)
-            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_graphs=True)
+            Replays(engine)
         engine.scheduler.costs.cost = lambda bucket, width: 0.01 * (1.5 if width > 1 else 1.0)
         first = engine.add_request(batch[0], params)
         got, reports = {first: [ev for ev in engine.step()]}, []
@@ -358,3 +366,16 @@ def test_a_scaled_budget_cut_takes_the_rows_of_the_graph_it_replays(pair):
         assert all(r.decode_lanes == 1 for r in reports if r.prefill_tokens)  # each beside the first's round
     assert chunks == {False: [60, 60, 60, 20], True: [64, 64, 64, 8]}
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="timed on CUDA at engine start (0 on the CPU: no prefill graphs)")
+def test_the_eager_step_cost_is_measured_at_start_and_leaves_slot_zero_clean(pair):
+    """An engine with prefill graphs times an eager prefill and a graph replay at start (on slot 0 and padding
+    lanes): what an eager step's launching costs in graph rows is positive, and the first request - on slot 0
+    - decodes as an engine's without prefill graphs (which measures nothing)."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompt = prompts(96, [40], seed=13)
+    graphed, plain = engine_for(pair[0], pair[1]), engine_for(pair[0], pair[1], prefill_graphs=False)
+    assert graphed.scheduler.eager_prefill_rows > 0 and plain.scheduler.eager_prefill_rows == 0
+    assert [d.token_ids for d in graphed.generate(prompt, params)[0]] == \
+        [d.token_ids for d in plain.generate(prompt, params)[0]]

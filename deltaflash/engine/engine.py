@@ -54,6 +54,7 @@ class Engine:
         self._busy = False  # the engine had work when its last step ended (the device's wait is then the host's doing)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
+        self.scheduler.eager_prefill_rows = self.runner.eager_prefill_rows()
         if self.config.adaptive or self.config.scale_prefill_budget or self.config.max_prefill_stall:
             self.scheduler.costs = self.runner.calibrate()  # after capture: it times what rounds will replay
         if self.config.adaptive:

@@ -28,8 +28,8 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, CudaGraphs, buckets_for,
-                                      pads_within_reason, prefill_lane_buckets, prefill_shapes)
+from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs,
+                                      buckets_for, pads_within_reason, prefill_lane_buckets, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -300,6 +300,38 @@ class ModelRunner:
                 self.source.reset(0)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def eager_prefill_rows(self) -> float:
+        """The rows of prefill-graph work that cost what an eager prefill step's launching does: a 64-row
+        eager prefill's wall time (host-bound: its launches, fla-core's per-call work) over the per-row time
+        of the largest prefill graph replayed whole (device-bound), both timed here on slot 0 and padding
+        lanes (then reset). 0 without prefill graphs (CPU), and on tensor-parallel ranks (whose plans must
+        not follow their own timings). The scheduler weighs cutting prompts to fit a graph against an eager
+        step by it (Scheduler._graph_fit)."""
+        if not self.prefill_graphs or self.device.type != "cuda" or self.config.tensor_parallel_size > 1:
+            return 0.0
+        T = max(self.prefill_graphs)
+        graphs = self.prefill_graphs[T]
+        lanes = graphs.buckets[-1]
+        padding = (torch.zeros(lanes, T, dtype=torch.long, device=self.device),
+                   *(torch.full((lanes,), v, dtype=torch.long, device=self.device) for v in (-1, 0, 0, 0)))
+        seconds = []
+        for run in (lambda: self.model.extend(ExtendBatch.build([(0, 0, [0] * PREFILL_ROWS)], self.device), self.pool,
+                                              self.kernels, tap_layer_ids=self.tap_layer_ids),
+                    lambda: graphs.run(*padding)):
+            for _ in range(2):  # the second of two runs
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - t0
+            seconds.append(elapsed)
+            self.pool.reset(0)
+            if self.source is not None:
+                self.source.reset(0)
+        eager, graph = seconds
+        return eager / (graph / (lanes * T))
 
     @torch.inference_mode()
     def calibrate(self, reps: int = 2) -> RoundCosts:

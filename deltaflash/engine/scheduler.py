@@ -26,7 +26,8 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import PREFILL_ROWS, pads_within_reason, prefill_tile
+from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_lane_buckets, prefill_shapes,
+                                      prefill_tile)
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
@@ -94,6 +95,9 @@ class Scheduler:
         speculative round (config.scale_prefill_budget); None: the budget is not scaled."""
         self.config, self.policy, self.tree_choice, self.costs = config, policy, tree_choice, costs
         self.pin = Pin()  # nothing pinned: the policy and the tree choice decide (see pinned)
+        # the rows of prefill-graph work an eager prefill step's launching costs (ModelRunner.eager_prefill_rows;
+        # measured on CUDA at start): 0 weighs an eager step by its rows alone, and prompts are then never cut
+        self.eager_prefill_rows = 0.0
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
         # pages kept free when admitting beside running sequences, so their next rounds rarely preempt
@@ -286,12 +290,17 @@ class Scheduler:
         chunk the budget cuts grows to its graph's rows (prefill_tile; within config.round_prefill_tokens),
         prompt tokens in place of padding the replay would compute anyway - a 768-token cut of a long prompt
         replays the 1024-row graph, so it takes 1024 tokens for the same device time - where the step replays
-        a graph (pads_within_reason; not where its padding sends it down the eager path, where rows cost)."""
+        a graph (pads_within_reason; not where its padding sends it down the eager path, where rows cost).
+        With prefill graphs, several prompts are cut to the rows of a graph the step can replay
+        (_graph_fit) where they would not fit one whole."""
+        waiting = [seq for seq in self.running.values() if seq.status is Status.PREFILLING and seq.prompt_left > 0]
+        rows, lanes = self._graph_fit(waiting, budget) if self.config.prefill_graphs and len(waiting) > 1 \
+            else (budget, len(waiting))
         chunks, lens = [], []
-        for seq in self.running.values():
-            if seq.status is not Status.PREFILLING or seq.prompt_left <= 0 or budget <= 0:
-                continue
-            n = min(seq.prompt_left, budget)
+        for seq in waiting[:lanes]:
+            if budget <= 0:
+                break
+            n = min(seq.prompt_left, budget, rows)
             if seq.prompt_left - n <= slack and prefill_tile(seq.prompt_left) == prefill_tile(n):
                 n = seq.prompt_left  # (not where the whole would need a longer graph shape than the cut)
             elif fill and n < seq.prompt_left and prefill_tile(n) <= self.config.round_prefill_tokens and \
@@ -304,6 +313,46 @@ class Scheduler:
                                        emits=last and not seq.output_ids))
             budget -= n
         return chunks
+
+    def _graph_fit(self, waiting: list[Sequence], budget: int) -> tuple[int, int]:
+        """(most rows per chunk, most chunks) of a step prefilling the `waiting` prompts with prefill graphs.
+        Cut by the budget alone, prompts of straddling lengths often make a step no graph holds (16 prompts
+        of 80-150 tokens need 16 lanes of 256 rows) or one padded past reason, which the runner launches
+        eagerly (the demo pair: ~20 ms of host time; its graphs ~1 ms). Each graph shape (prefill_shapes: T,
+        most lanes) could take them cut to T rows instead. Of the cuts whose prompt tokens per graph row beat
+        the eager step's tokens per row-equivalent (its rows, or the eager_prefill_rows its launching costs
+        where more), the one taking the most tokens is taken, the larger T among equals. Otherwise, and where
+        the step replays a graph uncut, no cut."""
+        config = self.config
+
+        def step(rows: int, most: int) -> tuple[int, ...]:
+            lens, left = [], budget
+            for seq in waiting[:most]:
+                if left <= 0:
+                    break
+                lens.append(min(seq.prompt_left, rows, left))
+                left -= lens[-1]
+            return tuple(lens)
+
+        shapes = prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
+                                config.idle_prefill_tokens)
+        capacity = dict(shapes)
+
+        def graph_rows(lens: tuple[int, ...]) -> int | None:
+            """The rows the runner's graph for these chunks computes; None: the step runs eagerly."""
+            shape = prefill_tile(max(lens))
+            if len(lens) > capacity.get(shape, 0) or not pads_within_reason(len(lens), shape, sum(lens)):
+                return None
+            return next(b for b in prefill_lane_buckets(shape, capacity[shape]) if b >= len(lens)) * shape
+
+        uncut = step(budget, len(waiting))
+        if graph_rows(uncut) is not None or not self.eager_prefill_rows:
+            return budget, len(waiting)
+        eager = sum(uncut) / max(sum(uncut), self.eager_prefill_rows)  # tokens per row-equivalent
+        cuts = [(sum(lens), T, most) for T, most in shapes
+                if (rows := graph_rows(lens := step(T, most))) is not None and sum(lens) / rows > eager]
+        best = max(cuts, default=None)
+        return (budget, len(waiting)) if best is None else (best[1], best[2])
 
     def _retire_cancelled(self) -> list[Sequence]:
         if not self._cancels:

@@ -326,10 +326,10 @@ class ModelRunner:
                 run()
                 torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - t0
+                self.pool.reset(0)
+                if self.source is not None:
+                    self.source.reset(0)
             seconds.append(elapsed)
-            self.pool.reset(0)
-            if self.source is not None:
-                self.source.reset(0)
         eager, graph = seconds
         return eager / (graph / (lanes * T))
 

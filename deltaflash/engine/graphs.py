@@ -12,6 +12,7 @@ largest bucket returns None: the caller runs the function eagerly.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +104,7 @@ def pads_within_reason(lanes: int, shape: int, rows: int) -> bool:
     return buckets_for(lanes)[-1] * shape <= padded_rows_allowed(rows)
 
 
+@functools.cache  # (asked by the scheduler at each step that prefills several prompts)
 def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget: int = 0
                    ) -> tuple[tuple[int, int], ...]:
     """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the

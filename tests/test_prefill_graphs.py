@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed,
-                                      prefill_lane_buckets, prefill_shapes)
+                                      prefill_graph_buckets, prefill_graph_for, prefill_lane_buckets, prefill_shapes)
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize
 from deltaflash.server.metrics import Metrics
@@ -122,6 +122,7 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     replays = Replays(graphed)
     # the same plans (the scheduler cuts chunks to the graphs it knows of): replays against eager launches
     plain.scheduler.config = dataclasses.replace(plain.scheduler.config, prefill_graphs=True)
+    plain.scheduler.eager_prefill_rows = graphed.scheduler.eager_prefill_rows  # (timed at start on CUDA)
     # together: [1, 40, 9] pads too much for a graph; [30, 40, 45] replays 4 lanes, one of them padding
     groups = [[5, 70], [3], [230], [1, 40, 9], [30, 40, 45]]
     arrivals = prompts(96, [n for group in groups for n in group], seed=2)
@@ -289,6 +290,20 @@ def test_prefill_shapes_cover_the_step_budget():
         shapes = prefill_shapes(budget, 64, 100_000)
         T, lanes = shapes[-1]
         assert T >= min(budget, PREFILL_MAX_ROWS) and lanes * T <= padded_rows_allowed(budget)
+
+
+def test_a_step_replays_the_smallest_graph_that_holds_it_within_reason():
+    """prefill_graph_for, the rule the runner replays by and the scheduler plans by: the smallest shape
+    holding the longest chunk, its smallest lane bucket holding them all (3 x 2^k from 128 rows on), and no
+    graph where none holds the step or its padding would pass twice its rows."""
+    buckets = prefill_graph_buckets(512, 8, 4096)
+    assert buckets == {64: (1, 2, 4, 8), 128: (1, 2, 3, 4, 6, 8), 256: (1, 2, 3, 4), 512: (1, 2)}
+    assert prefill_graph_for([200], buckets) == (256, 1)
+    assert prefill_graph_for([100, 90, 80], buckets) == (128, 3)
+    assert prefill_graph_for([60] * 5, buckets) == (64, 8)
+    assert prefill_graph_for([5, 70], buckets) is None  # 2 x 128 rows for 75
+    assert prefill_graph_for([60] * 9, buckets) is None  # more lanes than the shape's buckets
+    assert prefill_graph_for([600], buckets) is None  # longer than every shape
 
 
 def test_preempted_sequences_resume_exactly_through_prefill_graphs(pair):

@@ -104,6 +104,29 @@ def pads_within_reason(lanes: int, shape: int, rows: int) -> bool:
     return buckets_for(lanes)[-1] * shape <= padded_rows_allowed(rows)
 
 
+def prefill_graph_for(lens: Sequence[int], buckets: dict[int, tuple[int, ...]]) -> tuple[int, int] | None:
+    """(rows T, lanes) of the prefill graph that replays chunks of `lens` rows, given each graph shape's
+    lane buckets (T -> buckets, smallest T first): the smallest shape and bucket that hold them. None where
+    none does or where it would pad past reason (pads_within_reason): that step runs eagerly. The runner
+    replays by this rule and the scheduler plans by it."""
+    shape = next((T for T in buckets if T >= max(lens)), None)
+    if shape is None:
+        return None
+    lanes = next((b for b in buckets[shape] if b >= len(lens)), None)
+    if lanes is None or not pads_within_reason(len(lens), shape, sum(lens)):
+        return None
+    return shape, lanes
+
+
+@functools.cache  # (the scheduler plans by it at each step that prefills several prompts)
+def prefill_graph_buckets(budget: int, max_slots: int, max_model_len: int, idle_budget: int = 0
+                          ) -> dict[int, tuple[int, ...]]:
+    """T -> lane buckets of each prefill graph shape (prefill_shapes, prefill_lane_buckets): the graphs the
+    runner captures. (Cached: callers read it, never change it.)"""
+    return {T: prefill_lane_buckets(T, most) for T, most in prefill_shapes(budget, max_slots, max_model_len,
+                                                                          idle_budget)}
+
+
 @functools.cache  # (asked by the scheduler at each step that prefills several prompts)
 def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget: int = 0
                    ) -> tuple[tuple[int, int], ...]:

@@ -29,7 +29,7 @@ from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOu
 from deltaflash.core.request import RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs,
-                                      buckets_for, pads_within_reason, prefill_lane_buckets, prefill_shapes)
+                                      buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -196,11 +196,10 @@ class ModelRunner:
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
-            for T, lanes in prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
-                                           config.idle_prefill_tokens):
+            for T, buckets in prefill_graph_buckets(config.round_prefill_tokens, config.max_slots,
+                                                    config.max_model_len, config.idle_prefill_tokens).items():
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
-                buckets = prefill_lane_buckets(T, lanes)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs,
                                                          buckets=buckets)
                 if self.dense_prefill and T >= FRESH_PREFILL_MIN_ROWS:
@@ -459,16 +458,14 @@ class ModelRunner:
         shape that holds them, or
         None when none does, when it would pad more than about twice their rows, or when padding lanes
         would find no slot outside the batch to keep their state in."""
-        L, T = len(chunks), max(len(c.tokens) for c in chunks)
-        shape = next((t for t in self.prefill_graphs if t >= T), None)
-        if shape is None:
+        L = len(chunks)
+        fit = prefill_graph_for([len(c.tokens) for c in chunks], {T: g.buckets for T, g in self.prefill_graphs.items()})
+        if fit is None:
             return None
+        shape, lanes = fit
         graphs = self.prefill_graphs[shape]
         if all(c.start == 0 for c in chunks):  # first chunks only: their attention reads no page
             graphs = self.fresh_prefill_graphs.get(shape, graphs)
-        lanes = next((b for b in graphs.buckets if b >= L), None)
-        if lanes is None or not pads_within_reason(L, shape, sum(len(c.tokens) for c in chunks)):
-            return None
         slots = [c.seq.slot for c in chunks]
         spare = 0 if lanes == L else next((s for s in range(self.pool.num_slots) if s not in slots), None)
         if spare is None:

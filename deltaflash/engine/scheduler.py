@@ -26,8 +26,8 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_lane_buckets, prefill_shapes,
-                                      prefill_tile)
+from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
+                                      prefill_shapes, prefill_tile)
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
@@ -334,16 +334,13 @@ class Scheduler:
                 left -= lens[-1]
             return tuple(lens)
 
-        shapes = prefill_shapes(config.round_prefill_tokens, config.max_slots, config.max_model_len,
-                                config.idle_prefill_tokens)
-        capacity = dict(shapes)
+        sizes = config.round_prefill_tokens, config.max_slots, config.max_model_len, config.idle_prefill_tokens
+        shapes, buckets = prefill_shapes(*sizes), prefill_graph_buckets(*sizes)
 
         def graph_rows(lens: tuple[int, ...]) -> int | None:
             """The rows the runner's graph for these chunks computes; None: the step runs eagerly."""
-            shape = prefill_tile(max(lens))
-            if len(lens) > capacity.get(shape, 0) or not pads_within_reason(len(lens), shape, sum(lens)):
-                return None
-            return next(b for b in prefill_lane_buckets(shape, capacity[shape]) if b >= len(lens)) * shape
+            fit = prefill_graph_for(lens, buckets)
+            return None if fit is None else fit[0] * fit[1]
 
         uncut = step(budget, len(waiting))
         if graph_rows(uncut) is not None or not self.eager_prefill_rows:

@@ -122,7 +122,9 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     replays = Replays(graphed)
     # the same plans (the scheduler cuts chunks to the graphs it knows of): replays against eager launches
     plain.scheduler.config = dataclasses.replace(plain.scheduler.config, prefill_graphs=True)
-    plain.scheduler.eager_prefill_rows = graphed.scheduler.eager_prefill_rows  # (timed at start on CUDA)
+    # steps planned by the graph shapes alone (on CUDA the engine times an eager step at start, and where
+    # that costs much it cuts every step to a graph: tests/test_engine.py's straddling-lengths test)
+    plain.scheduler.eager_prefill_rows = graphed.scheduler.eager_prefill_rows = 0
     # together: [1, 40, 9] pads too much for a graph; [30, 40, 45] replays 4 lanes, one of them padding
     groups = [[5, 70], [3], [230], [1, 40, 9], [30, 40, 45]]
     arrivals = prompts(96, [n for group in groups for n in group], seed=2)

@@ -55,7 +55,8 @@ run() {  # run STEP LIMIT CMD...: log the command, its exit code and the seconds
     local var="LIMIT_${step^^}"
     limit=${!var:-$limit}
     echo "=== [$(( $(date +%s) - T0 )) s] $step: $* (limit $limit s)" | tee -a "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
+    # SIGINT at the limit (KILL 20 s later): pytest then still reports the failures it saw, with tracebacks
+    timeout -s INT -k 20 "$limit" "$@" >> "$LOG" 2>&1
     echo "=== $step: exit $?" | tee -a "$LOG"
 }
 

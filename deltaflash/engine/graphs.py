@@ -37,7 +37,7 @@ EAGER_DENSE_MIN_CONTEXT = 2048
 # (the 9B shape on the H200: ~190 rows of bf16 GEMM read the weights in the time they compute), so a
 # padding lane costs its rows' full work: the 2026-12-05 C = 64 wave's steps of ~745 prompt rows (two
 # 256-row prompts and most of a third) replayed 4 x 256 rows in 38.3 ms against 27.3 ms for two prompts.
-# Whether a step replays a graph at all is judged at its power-of-two bucket (runner._prefill_replay): these
+# Whether a step replays a graph at all is judged at its power-of-two bucket (prefill_graph_for): these
 # buckets only pad less, they never turn an eager step into a padded replay.
 PREFILL_FINE_MIN_ROWS = 128
 
@@ -132,7 +132,7 @@ def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget:
                    ) -> tuple[tuple[int, int], ...]:
     """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the
     longest prompt, at most PREFILL_MAX_ROWS). A step holds at most `budget` rows and may replay a shape
-    padding it to about twice that (the runner's rule), so shape T has the largest lane bucket of at
+    padding it to about twice that (pads_within_reason), so shape T has the largest lane bucket of at
     most padded_rows_allowed(budget) / T lanes (at least one, at most max_slots): three chunks of 170 rows
     fit 4 x 256. Above the budget, up to `idle_budget` (the rows of a step with nothing decoding: one
     prompt arriving at an idle engine, mostly), one lane each."""

@@ -65,8 +65,8 @@ for step in "$@"; do
         tests) run tests 300 python3 -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_ops_gpu.py tests/test_ops_norm.py \
                    tests/test_ops_moe.py tests/test_ops_attention.py tests/test_ops_rope.py tests/test_ops_skinny.py tests/test_gpu_graphs.py} ;;
         spec) DELTAFLASH_TEST_DEVICE=cuda run spec 400 python3 -m pytest -q ${PYTEST_ARGS:-} tests/test_spec.py \
-                  tests/test_spec_sampling.py tests/test_engine.py tests/test_pages.py tests/test_tree.py \
-                  tests/test_policy.py ;;
+                  tests/test_spec_sampling.py tests/test_engine.py tests/test_prefill_graphs.py tests/test_pages.py \
+                  tests/test_tree.py tests/test_policy.py ;;
         savecache) # a cached kernel loads from its binary and metadata: the IR files are a compile's by-products
                    find "$TRITON_CACHE_DIR" -type f \( -name '*.ptx' -o -name '*.llir' -o -name '*.ttir' \
                        -o -name '*.ttgir' -o -name '*.source' \) -delete

@@ -195,9 +195,11 @@ class ModelRunner:
                                                                  lane + (budget,))
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
+        # T -> lane buckets of the prefill graph shapes (the scheduler plans steps by the same table)
+        self.prefill_buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots,
+                                                     config.max_model_len, config.idle_prefill_tokens)
         if self.graphs is not None and config.prefill_graphs:
-            for T, buckets in prefill_graph_buckets(config.round_prefill_tokens, config.max_slots,
-                                                    config.max_model_len, config.idle_prefill_tokens).items():
+            for T, buckets in self.prefill_buckets.items():
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, 0)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs,
@@ -459,7 +461,7 @@ class ModelRunner:
         None when none does, when it would pad more than about twice their rows, or when padding lanes
         would find no slot outside the batch to keep their state in."""
         L = len(chunks)
-        fit = prefill_graph_for([len(c.tokens) for c in chunks], {T: g.buckets for T, g in self.prefill_graphs.items()})
+        fit = prefill_graph_for([len(c.tokens) for c in chunks], self.prefill_buckets)
         if fit is None:
             return None
         shape, lanes = fit

@@ -150,13 +150,19 @@ def test_tensor_parallel_engine_serves_what_one_device_serves(pairs, kind, specu
         assert max(n for lens in acc_a for n in lens) > 1  # drafts were accepted
 
 
+def _run(cmd: list[str]) -> str:
+    """A command's stdout; a failure names its exit code and stderr (what the ranks reported)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd[2:])}\n{proc.stderr}"
+    return proc.stdout
+
+
 def test_cli_generate_on_two_ranks_equals_one(pair):
     target, draft = map(str, pair)
     base = [sys.executable, "-m", "deltaflash", "generate", "--model", target, "--draft", draft, "--prompt-ids",
             "5,17,3,44,9", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--dtype", "float32", "--json",
             "--speculation", "fixed"]
-    one, two = (json.loads(subprocess.run(base + extra, capture_output=True, text=True, check=True, timeout=300).stdout)
-                for extra in ([], ["--tensor-parallel-size", "2"]))
+    one, two = (json.loads(_run(base + extra)) for extra in ([], ["--tensor-parallel-size", "2"]))
     assert two["token_ids"] == one["token_ids"] and two["stats"]["tensor_parallel_size"] == 2
     assert two["stats"]["accepted_lengths"] == one["stats"]["accepted_lengths"]
     bad = subprocess.run(base + ["--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=300)
@@ -170,10 +176,9 @@ def test_bench_round_over_two_ranks_times_each_ranks_share(tmp_path):
     reports = {}
     for size in (1, 2):
         out = tmp_path / f"tp{size}.json"
-        subprocess.run([sys.executable, "-m", "deltaflash", "bench", "round", "--device", "cpu", "--shape", "toy",
-                        "--tensor-parallel-size", str(size), "--lanes", "1", "2", "--width", "4", "--rounds", "2",
-                        "--prompt-len", "16", "--max-model-len", "64", "--routes", "unfused", "--json", str(out)],
-                       capture_output=True, text=True, check=True, timeout=300)
+        _run([sys.executable, "-m", "deltaflash", "bench", "round", "--device", "cpu", "--shape", "toy",
+              "--tensor-parallel-size", str(size), "--lanes", "1", "2", "--width", "4", "--rounds", "2",
+              "--prompt-len", "16", "--max-model-len", "64", "--routes", "unfused", "--json", str(out)])
         reports[size] = json.loads(out.read_text())
     one, two = reports[1], reports[2]
     assert two["tensor_parallel_size"] == 2 and [r["lanes"] for r in two["rows"]] == [1, 2]

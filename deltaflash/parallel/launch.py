@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import random
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -74,6 +76,13 @@ def _follower_main(rank: int, size: int, device_type: str, init: str, fn: Callab
     except BaseException as exc:  # reported to rank 0, which names it
         errors.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
+    # A finished follower leaves without finalizing the interpreter: gloo's worker thread may still be
+    # releasing the last collectives' work (a barrier keeps the tensors of the work before it), and
+    # freeing a tensor Python once owned takes the GIL - from a finalizing interpreter that ends the
+    # thread inside a destructor, and the process aborts (std::terminate, exit code -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch
 
 from deltaflash.core.request import SamplingParams, Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import prefill_shapes
+from deltaflash.engine.graphs import prefill_graph_buckets, prefill_graph_for, prefill_shapes
 from deltaflash.engine.scheduler import Scheduler
 from deltaflash.errors import DeltaflashError
 from deltaflash.speculative.policy import RoundCosts
@@ -283,6 +283,28 @@ def test_prompts_of_straddling_lengths_are_cut_to_a_graph_where_an_eager_step_co
     assert first_step(straddling, 4000) == ([100, 128, 90, 110, 128, 120, 100, 95] if graphs else straddling)
     assert first_step(straddling, 500) == first_step(straddling, 0) == straddling
     assert first_step([100, 120, 90, 110], 4000) == [100, 120, 90, 110]  # 4 x 128: a graph whole
+
+
+def test_a_graph_cut_is_planned_with_the_slack_the_step_takes():
+    """_graph_fit scores the chunks _prefill_chunks will take, slack included. Three prompts of 100, 100 and
+    25 tokens left, a 212-token budget beside a speculative round with 15 tokens of slack: cut by the budget
+    alone the third takes 12 tokens, and 3 lanes x 128 rows (padded as 4) would pass twice the step's 212
+    rows - an eager step, which the scheduler (an eager step costing 4,000 rows here) would rather cut to the
+    first two prompts (200 tokens, 2 x 128 rows). But the third's rest of 13 is within the slack, so the step
+    takes it whole: 225 tokens, which the 128-row graph's 3-lane bucket replays within reason - no cut."""
+    config = EngineConfig(max_slots=8, max_num_batched_tokens=512, max_model_len=4096)
+    config = dataclasses.replace(config.resolve(torch.device("cpu"), None), prefill_graphs=True)
+    scheduler = Scheduler(config, num_pages=1000)
+    scheduler.eager_prefill_rows = 4000.0
+    for i, n in enumerate((100, 100, 25)):
+        scheduler.add(sequence(f"p{i}", n))
+    scheduler.schedule()  # admits all three (its chunks are not run: nothing is prefilled)
+    assert [s.prompt_left for s in scheduler.running.values()] == [100, 100, 25]
+    buckets = prefill_graph_buckets(512, 8, 4096, config.idle_prefill_tokens)
+    assert prefill_graph_for([100, 100, 12], buckets) is None
+    assert prefill_graph_for([100, 100, 25], buckets) == (128, 3)
+    assert [len(c.tokens) for c in scheduler._prefill_chunks(212, slack=15)] == [100, 100, 25]
+    assert [len(c.tokens) for c in scheduler._prefill_chunks(212)] == [100, 100]  # no slack: cut to a graph
 
 
 def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(pairs):

@@ -294,9 +294,21 @@ class Scheduler:
         With prefill graphs, several prompts are cut to the rows of a graph the step can replay
         (_graph_fit) where they would not fit one whole."""
         waiting = [seq for seq in self.running.values() if seq.status is Status.PREFILLING and seq.prompt_left > 0]
-        rows, lanes = self._graph_fit(waiting, budget) if self.config.prefill_graphs and len(waiting) > 1 \
+        rows, lanes = self._graph_fit(waiting, budget, slack, fill) if self.config.prefill_graphs and len(waiting) > 1 \
             else (budget, len(waiting))
-        chunks, lens = [], []
+        chunks = []
+        for seq, n in zip(waiting, self._chunk_lens(waiting, budget, rows, lanes, slack, fill)):
+            start = seq.num_prefilled
+            last = n == seq.prompt_left
+            chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,
+                                       emits=last and not seq.output_ids))
+        return chunks
+
+    def _chunk_lens(self, waiting: list[Sequence], budget: int, rows: int, lanes: int, slack: int,
+                    fill: bool) -> list[int]:
+        """The tokens each of the first `lanes` waiting prompts takes in a step of `budget` tokens, cut at
+        `rows` each: _prefill_chunks' rule, which _graph_fit also plays through for each graph shape."""
+        lens: list[int] = []
         for seq in waiting[:lanes]:
             if budget <= 0:
                 break
@@ -307,14 +319,10 @@ class Scheduler:
                     pads_within_reason(len(lens) + 1, prefill_tile(max(lens + [n])), sum(lens) + n):
                 n = min(seq.prompt_left, prefill_tile(n))
             lens.append(n)
-            start = seq.num_prefilled
-            last = n == seq.prompt_left
-            chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,
-                                       emits=last and not seq.output_ids))
             budget -= n
-        return chunks
+        return lens
 
-    def _graph_fit(self, waiting: list[Sequence], budget: int) -> tuple[int, int]:
+    def _graph_fit(self, waiting: list[Sequence], budget: int, slack: int = 0, fill: bool = False) -> tuple[int, int]:
         """(most rows per chunk, most chunks) of a step prefilling the `waiting` prompts with prefill graphs.
         Cut by the budget alone, prompts of straddling lengths often make a step no graph holds (16 prompts
         of 80-150 tokens need 16 lanes of 256 rows) or one padded past reason, which the runner launches
@@ -322,17 +330,12 @@ class Scheduler:
         most lanes) could take them cut to T rows instead. Of the cuts whose prompt tokens per graph row beat
         the eager step's tokens per row-equivalent (its rows, or the eager_prefill_rows its launching costs
         where more), the one taking the most tokens is taken, the larger T among equals. Otherwise, and where
-        the step replays a graph uncut, no cut."""
+        the step replays a graph uncut, no cut. Each plan is played through _chunk_lens with the step's slack
+        and fill, so the chunks scored are the chunks taken."""
         config = self.config
 
         def step(rows: int, most: int) -> tuple[int, ...]:
-            lens, left = [], budget
-            for seq in waiting[:most]:
-                if left <= 0:
-                    break
-                lens.append(min(seq.prompt_left, rows, left))
-                left -= lens[-1]
-            return tuple(lens)
+            return tuple(self._chunk_lens(waiting, budget, rows, most, slack, fill))
 
         sizes = config.round_prefill_tokens, config.max_slots, config.max_model_len, config.idle_prefill_tokens
         shapes, buckets = prefill_shapes(*sizes), prefill_graph_buckets(*sizes)

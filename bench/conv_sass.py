@@ -53,7 +53,9 @@ SHOWN = ("LDG", "STG", "LDS", "STS", "FFMA", "FMUL", "FADD", "MUFU", "FCHK", "CA
 
 
 def compile_conv(row_tile: int, num_warps: int, first: bool = False):
-    consts = dict(K=4, BT=row_tile, BC=128, BK=4, HEADS=True, REP=2, **{name: 1 for name in UNIT})
+    consts = dict(K=4, BT=row_tile, BC=128, BK=4, HEADS=True, **{name: 1 for name in UNIT})
+    if "REP" in conv_extend_kernel.arg_names:  # an extend.py from before q / k went out once per key head
+        consts["REP"] = 2
     if "FIRST" in conv_extend_kernel.arg_names:
         consts["FIRST"] = first
     return compile_sm90(conv_extend_kernel, POINTERS, consts, "eps", num_warps, fp_fusion=False)

@@ -1,5 +1,5 @@
-"""Time the prefill conv kernel (conv_extend_heads: depthwise causal conv + SiLU, q / k L2-normalised and
-repeated per value head) over (rows per program, warps) tiles at the 9B layer shape (CUDA).
+"""Time the prefill conv kernel (conv_extend_heads: depthwise causal conv + SiLU, q / k L2-normalised per key
+head) over (rows per program, warps) tiles at the 9B layer shape (CUDA).
 
 Usage: python bench/tune_conv.py [--tokens 2048 512] [--configs 32x4 64x4 ...] (ROWSxWARPS)
 
@@ -31,9 +31,9 @@ def layer(T: int):
 
 
 def moved_bytes(T: int) -> int:
-    """Rows read once, q and k written once per value head, v written, history read and written."""
+    """Rows read once, q, k and v written once, history read and written."""
     C = 2 * NK * DK + NV * DV
-    return 2 * (T * C + 2 * T * NV * DK + T * NV * DV + 2 * C * (KERNEL - 1))
+    return 2 * (2 * T * C + 2 * C * (KERNEL - 1))
 
 
 @torch.inference_mode()

@@ -9,26 +9,30 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
 from deltaflash.models.loader import load_model
 from deltaflash.ops.kernels import triton_kernels
-from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_ref, chunk_gated_delta_rule_varlen, gdn_gates, l2_normalize
+from deltaflash.ops.gdn.chunk import (chunk_gated_delta_rule_ref, chunk_gated_delta_rule_varlen, gdn_gates, l2_normalize,
+                                      value_heads)
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_fla_varlen_prefill_matches_reference():
-    """fla-core's chunked rule, its gates computed in its kernels from the raw inputs, against the torch
-    reference of the same rows (normalised q, k; gates by gdn_gates)."""
+    """fla-core's chunked rule, its gates computed in its kernels from the raw inputs and each of 2 key
+    heads read by 2 of the 4 value heads (GVA), against the torch reference of the same rows (normalised
+    q, k repeated per value head; gates by gdn_gates)."""
     torch.manual_seed(0)
-    H, dk, dv, lens = 4, 64, 64, [1, 37, 130]
+    Hk, H, dk, dv, lens = 2, 4, 64, 64, [1, 37, 130]
     N = sum(lens)
-    q = l2_normalize(torch.randn(N, H, dk, device="cuda"))
-    k = l2_normalize(torch.randn(N, H, dk, device="cuda"))
+    q = l2_normalize(torch.randn(N, Hk, dk, device="cuda"))
+    k = l2_normalize(torch.randn(N, Hk, dk, device="cuda"))
     v = torch.randn(N, H, dv, device="cuda")
     a, b = torch.randn(N, H, device="cuda"), torch.randn(N, H, device="cuda")
     A_log, dt_bias = torch.randn(H, device="cuda") * 0.5, torch.randn(H, device="cuda")
     s0 = torch.randn(len(lens), H, dk, dv, device="cuda")
     o, s = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, s0, lens)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q, k = value_heads(q, H), value_heads(k, H)
+    assert torch.equal(q[:, 1], q[:, 0]) and torch.equal(q[:, 2], q[:, 3])  # value heads 0, 1 read key head 0
     row = 0
     for i, n in enumerate(lens):
         o_ref, s_ref = chunk_gated_delta_rule_ref(q[row:row + n] * dk ** -0.5, k[row:row + n], v[row:row + n],

@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent("""
     for dtype in ("bf16", "fp32"):
         pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", weight=f"*{dtype}", n_rows="*i64",
                         out=f"*{dtype}", k_out=f"*{dtype}", v_out=f"*{dtype}", new_history=f"*{dtype}", eps="fp32")
-        for heads, rep in ((False, 1), (True, 1), (True, 2)):  # plain conv; q / k / v heads, grouped or not
-            consts = dict(K=4, BT=32, BC=128, BK=4, HEADS=heads, REP=rep)
+        for heads in (False, True):  # plain conv; q / k / v heads
+            consts = dict(K=4, BT=32, BC=128, BK=4, HEADS=heads)
             signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in conv_extend_kernel.arg_names}
             kernel = triton.compile(ASTSource(conv_extend_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=4, enable_fp_fusion=False))

@@ -477,14 +477,16 @@ def test_conv_extend_kernel_matches_ref(L, T, C, dtype):
 @pytest.mark.parametrize("nk,nv,dk,dv,T,dtype", [(2, 4, 8, 6, 7, torch.float32), (3, 3, 16, 16, 33, torch.float32),
                                                  (1, 2, 16, 8, 12, torch.float16), (2, 4, 8, 6, 3, torch.float32)])
 def test_conv_extend_heads_kernel_matches_ref(nk, nv, dk, dv, T, dtype):
-    """The prefill conv split into the chunked rule's inputs: q, k normalised per key head and repeated for
-    the value heads that read them, v as it is, the lanes' new history; padding lanes and short lanes too."""
+    """The prefill conv split into the chunked rule's inputs: q, k normalised per key head (once each: the
+    chunked rule reads a key head for its value heads), v as it is, the lanes' new history; padding lanes and
+    short lanes too."""
     from deltaflash.ops.conv.extend import conv_extend_heads, conv_extend_heads_ref
 
     L, C = 4, 2 * nk * dk + nv * dv
     rows, history, weight, n_rows = make_extend(L, T, C, dtype, seed=dk + T)
     got = conv_extend_heads(rows, history, weight, n_rows, nk, nv, dk)
     ref = conv_extend_heads_ref(rows, history, weight, n_rows, nk, nv, dk)
+    assert got[0].shape == got[1].shape == (L, T, nk, dk) and got[2].shape == (L, T, nv, dv)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
     for name, a, b in zip(("q", "k", "v", "history"), got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name

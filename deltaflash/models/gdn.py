@@ -15,6 +15,7 @@ from deltaflash.ops.gdn.chunk import (
     chunk_gated_delta_rule_varlen,
     gdn_gates,
     recurrent_gated_delta_step_ref,
+    value_heads,
 )
 
 
@@ -54,8 +55,8 @@ class GatedDeltaNet(MergedProjections):
         return self.out_proj(o.flatten(-2))
 
     def _conv(self, qkv, history, n_rows, kernels: Kernels):
-        """The short conv of the rows into the chunked rule's inputs: (q, k normalised per value head, v,
-        the lanes' new conv history); ops/conv/extend.py."""
+        """The short conv of the rows into the chunked rule's inputs: (q, k normalised per key head, v per
+        value head, the lanes' new conv history); ops/conv/extend.py."""
         return kernels.conv_extend_heads(qkv, history, self.conv_weight, n_rows, self.nk, self.nv, self.dk)
 
     def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
@@ -79,8 +80,9 @@ class GatedDeltaNet(MergedProjections):
         state = pool.recurrent_state[slot_idx, g_i]  # gathered copy [L', nv, dk, dv]
         if T == 1:
             g, beta = gdn_gates(a[lane_idx, 0], b[lane_idx, 0], self.A_log, self.dt_bias)
-            o_live = recurrent_gated_delta_step_ref(q[lane_idx, 0].float() * self.dk ** -0.5, k[lane_idx, 0].float(),
-                                                    v[lane_idx, 0].float(), g, beta, state).to(v.dtype)[:, None]
+            q1, k1 = (value_heads(x[lane_idx, 0], self.nv).float() for x in (q, k))  # q, k per key head
+            o_live = recurrent_gated_delta_step_ref(q1 * self.dk ** -0.5, k1, v[lane_idx, 0].float(), g, beta,
+                                                    state).to(v.dtype)[:, None]
         else:
             lens = [batch.n_rows_host[i] for i in batch.live_lanes_host]
             pack = (lambda t: t.flatten(0, 1)) if full else (lambda t: t.flatten(0, 1)[batch.packed_rows])  # noqa: E731

@@ -58,7 +58,7 @@ def conv_extend_kernel(
     stride_w_c, stride_w_t,
     T, C, DK, KD, eps,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    HEADS: tl.constexpr, REP: tl.constexpr, FIRST: tl.constexpr,
+    HEADS: tl.constexpr, FIRST: tl.constexpr,
 ):
     """One program: rows [R0 + i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC). Tap j of row t
     reads the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j).
@@ -67,8 +67,8 @@ def conv_extend_kernel(
     history's loads (its [C, K-1] layout loads a channel at a time) are not the whole grid's.
     Without HEADS the outputs go to out [L, T, C]. With HEADS a tile is one key head (DK = dk): below KD
     channels q, below 2 KD k, each L2-normalised over the head (fp32 from the rounded conv output, one
-    rounding) and stored to REP value heads of out / k_out [L, T, REP * KD / DK, DK]; the rest is v,
-    stored as it is to v_out [L, T, C - 2 KD]."""
+    rounding) and stored to its head of out / k_out [L, T, KD / DK, DK]; the rest is v, stored as it is to
+    v_out [L, T, C - 2 KD]."""
     i_c, i_t, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
     o_d = tl.arange(0, BC)
@@ -93,16 +93,15 @@ def conv_extend_kernel(
     m_o = m_c[None, :] & m_t[:, None]
     if not HEADS:
         tl.store(out + (i_l * T + o_t[:, None]) * C + o_c[None, :], b_o, mask=m_o)
-    elif i_c * DK < 2 * KD:  # a q or k head: normalised, one copy per value head that reads it
+    elif i_c * DK < 2 * KD:  # a q or k head: normalised
         b_n = b_o.to(tl.float32)
         b_n = (b_n * exact_rsqrt(tl.sum(b_n * b_n, axis=1) + eps)[:, None]).to(dtype)
-        o_r = (i_l * T + o_t[:, None]).to(tl.int64) * (REP * KD) + o_d[None, :]  # row starts
+        o_r = (i_l * T + o_t[:, None]).to(tl.int64) * KD + o_d[None, :]  # row starts
         if i_c * DK < KD:
-            p_o = out + o_r + i_c * REP * DK
+            p_o = out + o_r + i_c * DK
         else:
-            p_o = k_out + o_r + (i_c * DK - KD) * REP
-        for r in tl.static_range(REP):  # key head h feeds value heads h * REP + r
-            tl.store(p_o + r * DK, b_n, mask=m_o)
+            p_o = k_out + o_r + (i_c * DK - KD)
+        tl.store(p_o, b_n, mask=m_o)
     else:
         VD = C - 2 * KD
         tl.store(v_out + (i_l * T + o_t[:, None]).to(tl.int64) * VD + (o_c[None, :] - 2 * KD), b_o, mask=m_o)
@@ -121,7 +120,7 @@ def conv_extend_kernel(
 ROW_TILE, NUM_WARPS = 32, 4  # rows per program, warps (tile sweep on the H200: bench/tune_conv.py)
 
 
-def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, rep: int):
+def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool):
     """Two launches: rows [0, K-1) with the history (and the new history), then the rest in ROW_TILE rows."""
     L, T, C = rows.shape
     K = weight.shape[1]
@@ -136,7 +135,7 @@ def _launch(rows, history, weight, n_rows, outs, DK: int, KD: int, heads: bool, 
                     rows, history, weight, n_rows, out, k_out, v_out, new_history,
                     *rows.stride(), *history.stride(), *weight.stride(),
                     T, C, DK, KD, L2_EPS,
-                    K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=BK, HEADS=heads, REP=rep, FIRST=first,
+                    K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=BK, HEADS=heads, FIRST=first,
                     num_warps=warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
                 )
     return new_history
@@ -150,7 +149,7 @@ def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.
     L, T, C = rows.shape
     out = torch.empty(L, T, C, dtype=rows.dtype, device=rows.device)
     new_history = _launch(rows, history, weight, n_rows, (out, out, out), min(triton.next_power_of_2(C), 128), 0,
-                          False, 1)
+                          False)
     return out, new_history
 
 
@@ -164,18 +163,16 @@ def check_heads(C: int, key_heads: int, value_heads: int, key_dim: int) -> int:
 
 
 def conv_extend_heads_ref(rows, history, weight, n_rows, key_heads: int, value_heads: int, key_dim: int):
-    """causal_conv_extend_ref split into the chunked rule's inputs: (q, k [L, T, value_heads, key_dim],
-    L2-normalised in fp32 and rounded to rows' dtype, value head j reading key head j // (value_heads /
-    key_heads); v [L, T, value_heads, dv]; new history [L, C, K-1]). All contiguous."""
+    """causal_conv_extend_ref split into the chunked rule's inputs: (q, k [L, T, key_heads, key_dim],
+    L2-normalised in fp32 and rounded to rows' dtype - value head j reads key head j // (value_heads /
+    key_heads), in the chunked rule; v [L, T, value_heads, dv]; new history [L, C, K-1]). All contiguous."""
     dv = check_heads(rows.shape[-1], key_heads, value_heads, key_dim)
     out, new_history = causal_conv_extend_ref(rows, history, weight, n_rows)
     kd = key_heads * key_dim
     q, k, v = out.split([kd, kd, value_heads * dv], dim=-1)
-    rep = value_heads // key_heads
 
     def normalised(x):
-        x = l2_normalize(x.unflatten(-1, (key_heads, key_dim)), L2_EPS).to(rows.dtype)
-        return x.repeat_interleave(rep, dim=-2) if rep > 1 else x.contiguous()
+        return l2_normalize(x.unflatten(-1, (key_heads, key_dim)), L2_EPS).to(rows.dtype).contiguous()
     return normalised(q), normalised(k), v.unflatten(-1, (value_heads, dv)).contiguous(), new_history
 
 
@@ -186,8 +183,7 @@ def conv_extend_heads(rows, history, weight, n_rows, key_heads: int, value_heads
     check_device(rows, history=history, weight=weight, n_rows=n_rows)
     dv = check_heads(rows.shape[-1], key_heads, value_heads, key_dim)
     L, T, _ = rows.shape
-    q = torch.empty(L, T, value_heads, key_dim, dtype=rows.dtype, device=rows.device)
+    q = torch.empty(L, T, key_heads, key_dim, dtype=rows.dtype, device=rows.device)
     k, v = torch.empty_like(q), torch.empty(L, T, value_heads, dv, dtype=rows.dtype, device=rows.device)
-    new_history = _launch(rows, history, weight, n_rows, (q, k, v), key_dim, key_heads * key_dim, True,
-                          value_heads // key_heads)
+    new_history = _launch(rows, history, weight, n_rows, (q, k, v), key_dim, key_heads * key_dim, True)
     return q, k, v, new_history

@@ -47,14 +47,16 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk: int = CHU
 
 def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states, seq_lens: list[int], cu_seqlens=None,
                                   cu_seqlens_host=None):
-    """Several sequences packed along rows. q, k: [N, H, dk] L2-normalised, one per value head
-    (ops/conv/extend.conv_extend_heads: q is scaled by dk^-0.5 here); v: [N, H, dv] (activation dtype);
+    """Several sequences packed along rows. q, k: [N, Hk, dk] L2-normalised, Hk key heads dividing the H
+    value heads, value head h reading key head h // (H / Hk) (ops/conv/extend.conv_extend_heads: q is
+    scaled by dk^-0.5 here); v: [N, H, dv] (activation dtype);
     a, b: [N, H] the raw gate inputs (`gdn_gates`; any strides); A_log, dt_bias [H]; initial_states
     [B, H, dk, dv] fp32; seq_lens: host list of B row counts summing to N. cu_seqlens (device) /
     cu_seqlens_host (CPU) [B+1]: their offsets, if the caller has them; passing the same tensors to
     every layer lets fla-core reuse its chunk index tables instead of copying new ones to the device
     per call. Returns (o [N, H, dv] in v's dtype, final_states [B, H, dk, dv] fp32). Uses fla-core on
-    CUDA, which also computes the gates (and their chunk sums) in its kernels."""
+    CUDA, which also computes the gates (and their chunk sums) in its kernels and reads each key head for
+    its value heads (GVA) where the reference repeats it."""
     if q.is_cuda:
         if cu_seqlens_host is None:
             cu_seqlens_host = torch.tensor([0] + list(seq_lens)).cumsum(0)
@@ -64,6 +66,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states,
                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
         return o[0], final
     g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q, k = (value_heads(x, v.shape[-2]) for x in (q, k))
     q = q.float() * q.shape[-1] ** -0.5
     outs, finals, row = [], [], 0
     for i, n in enumerate(seq_lens):
@@ -76,7 +79,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states,
 
 
 def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states, n_rows):
-    """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, H, dk] as for
+    """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, Hk, dk] as for
     `chunk_gated_delta_rule_varlen`; v: [L, T, H, dv]; a, b: [L, T, H] raw gate inputs; initial_states
     [L, H, dk, dv] fp32; n_rows [L] (device): valid rows, first in each lane. A padding row gets
     a = b = -inf, so g = 0 and beta = 0: it writes nothing (its delta is beta times something, so zero)
@@ -88,6 +91,7 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     if q.is_cuda:
         return _fla(q, k, v, a, b, A_log, dt_bias, initial_states)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q, k = (value_heads(x, v.shape[-2]) for x in (q, k))
     q = q.float() * q.shape[-1] ** -0.5
     outs = [chunk_gated_delta_rule_ref(q[i], k[i], v[i], g[i], beta[i], initial_states[i]) for i in range(q.shape[0])]
     return torch.stack([o for o, _ in outs]).to(v.dtype), torch.stack([s for _, s in outs])
@@ -103,6 +107,13 @@ def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, **varlen):
         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,
     )
     return o, final.float()
+
+
+def value_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """x [..., Hk, d] per key head -> [..., heads, d] per value head (value head h reads key head
+    h // (heads / Hk)): what fla-core's kernels index, for the torch routes."""
+    rep = heads // x.shape[-2]
+    return x.repeat_interleave(rep, dim=-2) if rep > 1 else x
 
 
 def recurrent_gated_delta_step_ref(q, k, v, g, beta, state):

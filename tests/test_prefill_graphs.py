@@ -100,7 +100,8 @@ def test_padded_chunked_rule_equals_the_packed_one():
     v = rand(L, T, H, dv)
     a, b, A_log, dt_bias = rand(L, T, H), rand(L, T, H), rand(H) * 0.1, rand(H)
     state = rand(L, H, dk, dv) * 0.1
-    o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, state, torch.tensor(n, device=device))
+    rows_valid = torch.arange(T, device=device)[None] < torch.tensor(n, device=device)[:, None]
+    o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, state, rows_valid)
     live = [i for i in range(L) if n[i]]
     pack = lambda t: torch.cat([t[i, :n[i]] for i in live])  # noqa: E731
     o_ref, final_ref = chunk_gated_delta_rule_varlen(pack(q), pack(k), pack(v), pack(a), pack(b), A_log, dt_bias,

@@ -6,6 +6,7 @@ plain `torch.tensor(..., device="cuda")` waits for the stream, which would be a 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -129,6 +130,18 @@ class ExtendBatch:
     @property
     def num_lanes(self) -> int:
         return self.input_ids.shape[0]
+
+    @functools.cached_property
+    def rows_valid(self) -> torch.Tensor:
+        """[L, T] bool: each lane's first n_rows rows. Made once per batch: the K/V row map and every GDN
+        layer of a fixed-shape batch read it (a launch or two per layer otherwise)."""
+        T = self.input_ids.shape[1]
+        return torch.arange(T, device=self.input_ids.device)[None] < self.n_rows[:, None]
+
+    @functools.cached_property
+    def live_mask(self) -> torch.Tensor:
+        """[L] bool: the lanes with a slot (made once per batch, as rows_valid)."""
+        return self.slot_ids >= 0
 
     @classmethod
     def build(cls, lanes: list[tuple[int, int, list[int]]], device, pad_lanes_to: int | None = None) -> "ExtendBatch":

@@ -104,13 +104,13 @@ class GatedDeltaNet(MergedProjections):
         """extend of a fixed-shape batch (ExtendBatch.padded): every lane's T rows through the padded
         chunked rule; a lane without a slot writes its state slot's state back unchanged."""
         g_i, slots = self.gdn_index, batch.state_slots
-        live = (batch.slot_ids >= 0)[:, None, None]
+        live = batch.live_mask[:, None, None]
         qkv, z, b, a = self.project(x)
         history = pool.conv_history[slots, g_i]
         q, k, v, new_history = self._conv(qkv, history, batch.n_rows, kernels)
         pool.conv_history[slots, g_i] = torch.where(live, new_history.to(history.dtype), history)
         state = pool.recurrent_state[slots, g_i]
-        o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, self.A_log, self.dt_bias, state, batch.n_rows)
+        o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, self.A_log, self.dt_bias, state, batch.rows_valid)
         pool.recurrent_state[slots, g_i] = torch.where(live[..., None], final, state)
         return self._output(o, z, kernels)
 

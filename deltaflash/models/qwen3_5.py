@@ -128,9 +128,8 @@ class Qwen35Model(nn.Module):
         x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
-        rows_valid = torch.arange(T, device=device)[None] < batch.n_rows[:, None]
         fresh, dense_keys = self._dense_route(batch, kernels, x, pool)
-        rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, rows_valid),
+        rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, batch.rows_valid),
                              slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
                              max_pages=pool.tables.pages_to_read(kmax), split=False, fresh=fresh,
                              dense_keys=dense_keys)

@@ -78,16 +78,16 @@ def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states,
     return torch.cat(outs).to(v.dtype), torch.stack(finals)
 
 
-def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states, n_rows):
+def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states, rows_valid):
     """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, Hk, dk] as for
     `chunk_gated_delta_rule_varlen`; v: [L, T, H, dv]; a, b: [L, T, H] raw gate inputs; initial_states
-    [L, H, dk, dv] fp32; n_rows [L] (device): valid rows, first in each lane. A padding row gets
+    [L, H, dk, dv] fp32; rows_valid [L, T] bool (device): each lane's valid rows, first in the lane
+    (ExtendBatch.rows_valid). A padding row gets
     a = b = -inf, so g = 0 and beta = 0: it writes nothing (its delta is beta times something, so zero)
     and decays nothing, and it comes after every valid row, so each lane's valid outputs and final
     state are those of its valid rows alone (the chunks start at row 0 as in the packed layout).
     Returns (o [L, T, H, dv] in v's dtype, garbage at padding rows; final_states [L, H, dk, dv] fp32)."""
-    valid = (torch.arange(q.shape[1], device=q.device)[None] < n_rows[:, None])[..., None]  # [L, T, 1]
-    a, b = (torch.where(valid, x, float("-inf")) for x in (a, b))
+    a, b = (torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b))
     if q.is_cuda:
         return _fla(q, k, v, a, b, A_log, dt_bias, initial_states)
     g, beta = gdn_gates(a, b, A_log, dt_bias)

@@ -46,8 +46,8 @@ def load_kernel(path: str, main_path: bool):
 conv_extend_kernel = load_kernel(os.environ.get("CONV_PY", str(Path(__file__).parents[1] / "deltaflash/ops/conv/extend.py")),
                                  "--main-path" in sys.argv)
 
-POINTERS = dict(rows="*bf16", history="*bf16", weight="*bf16", n_rows="*i64", out="*bf16", k_out="*bf16",
-                v_out="*bf16", new_history="*bf16")
+POINTERS = dict(rows="*bf16", history="*bf16", slots="*i64", weight="*bf16", n_rows="*i64", out="*bf16",
+                k_out="*bf16", v_out="*bf16", new_history="*bf16")
 UNIT = ("stride_r_c", "stride_h_t", "stride_w_t")  # strides of 1, which the JIT specialises
 SHOWN = ("LDG", "STG", "LDS", "STS", "FFMA", "FMUL", "FADD", "MUFU", "FCHK", "CALL", "PRMT", "SEL", "BAR")
 

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     from deltaflash.ops.tree.greedy_walk import greedy_walk_kernel
 
     for dtype in ("bf16", "fp32"):
-        pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", weight=f"*{dtype}", n_rows="*i64",
+        pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", slots="*i64", weight=f"*{dtype}", n_rows="*i64",
                         out=f"*{dtype}", k_out=f"*{dtype}", v_out=f"*{dtype}", new_history=f"*{dtype}", eps="fp32")
         for heads in (False, True):  # plain conv; q / k / v heads
             consts = dict(K=4, BT=32, BC=128, BK=4, HEADS=heads)

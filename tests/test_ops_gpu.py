@@ -206,13 +206,14 @@ def test_conv_extend_heads_equals_ref(ops, nk, nv, dk, T):
     """The prefill conv with the chunked rule's head split: v and the history bit for bit with the torch
     route, the normalised q / k within a rounding (the sum of squares runs in the kernel's order)."""
     from deltaflash.ops.conv.extend import conv_extend_heads, conv_extend_heads_ref
-    from tests.test_ops_verify import make_extend
+    from tests.test_ops_verify import extend_pool, make_extend
 
     L, C = 5, 2 * nk * dk + nv * dk
     rows, history, weight, n_rows = (t.to(DEV) for t in make_extend(L, T, C, torch.bfloat16, seed=T))
-    got = conv_extend_heads(rows, history, weight, n_rows, nk, nv, dk)
-    ref = conv_extend_heads_ref(rows, history, weight, n_rows, nk, nv, dk)
-    assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[3])
+    (pool, slots), (pool_ref, _) = ((t.to(DEV) for t in extend_pool(history.cpu(), seed=T)) for _ in range(2))
+    got = conv_extend_heads(rows, pool[:, 1], slots, weight, n_rows, nk, nv, dk)
+    ref = conv_extend_heads_ref(rows, pool_ref[:, 1], slots, weight, n_rows, nk, nv, dk)
+    assert torch.equal(got[2], ref[2]) and torch.equal(pool, pool_ref)
     for a, b in zip(got[:2], ref[:2]):
         torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-3)
 

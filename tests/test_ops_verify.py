@@ -473,36 +473,78 @@ def test_conv_extend_kernel_matches_ref(L, T, C, dtype):
     torch.testing.assert_close(out, out_ref, **tol)
 
 
+def extend_pool(history: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool of conv histories [S = L + 3, 2 layers, C, K-1] (random rows, those of `history` [L, C, K-1]
+    among layer 1's in another order) and the lanes' slots: lane 0 (make_extend's padding lane) has none
+    (-1), lane l > 0 reads `history[l]` at its slot."""
+    L = history.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(L + 3, 2, *history.shape[1:], generator=gen).to(history.dtype)
+    slots = torch.randperm(L + 3, generator=gen)[:L]
+    slots[0] = -1
+    pool[slots[1:], 1] = history[1:]
+    return pool, slots
+
+
 @interpreted
 @pytest.mark.parametrize("nk,nv,dk,dv,T,dtype", [(2, 4, 8, 6, 7, torch.float32), (3, 3, 16, 16, 33, torch.float32),
                                                  (1, 2, 16, 8, 12, torch.float16), (2, 4, 8, 6, 3, torch.float32)])
 def test_conv_extend_heads_kernel_matches_ref(nk, nv, dk, dv, T, dtype):
     """The prefill conv split into the chunked rule's inputs: q, k normalised per key head (once each: the
-    chunked rule reads a key head for its value heads), v as it is, the lanes' new history; padding lanes and
-    short lanes too."""
-    from deltaflash.ops.conv.extend import conv_extend_heads, conv_extend_heads_ref
+    chunked rule reads a key head for its value heads), v as it is; each lane's history read from its slot
+    of a pool's layer and its new history written back there in place - a lane without a slot reads zeros
+    and writes nothing, every other row of the pool stays as it was; short lanes too."""
+    from deltaflash.ops.conv.extend import causal_conv_extend_ref, conv_extend_heads, conv_extend_heads_ref
 
     L, C = 4, 2 * nk * dk + nv * dv
     rows, history, weight, n_rows = make_extend(L, T, C, dtype, seed=dk + T)
-    got = conv_extend_heads(rows, history, weight, n_rows, nk, nv, dk)
-    ref = conv_extend_heads_ref(rows, history, weight, n_rows, nk, nv, dk)
+    history[0] = 0  # the padding lane reads zeros
+    _, want_history = causal_conv_extend_ref(rows, history, weight, n_rows)
+    outputs = []
+    for conv in (conv_extend_heads, conv_extend_heads_ref):
+        pool, slots = extend_pool(history, seed=dk)
+        before = pool.clone()
+        outputs.append(conv(rows, pool[:, 1], slots, weight, n_rows, nk, nv, dk))  # layer 1's view
+        untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+        untouched[slots[1:]] = False
+        assert torch.equal(pool[slots[1:], 1], want_history[1:])  # the raw inputs, moved
+        assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, 0], before[:, 0])
+    got, ref = outputs
     assert got[0].shape == got[1].shape == (L, T, nk, dk) and got[2].shape == (L, T, nv, dv)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
-    for name, a, b in zip(("q", "k", "v", "history"), got, ref):
+    for name, a, b in zip(("q", "k", "v"), got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, **tol, msg=name)
-    assert torch.equal(got[3], ref[3])  # the raw inputs, moved
     for normed in got[:2]:  # every head row of q and k has unit norm (random rows are never near zero)
         norms = normed.float().norm(dim=-1)
         torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0, atol=1e-2)
+
+
+def test_conv_history_writes_without_a_slot_leave_the_pool_as_it_was():
+    """write_histories (the torch route's one index_put_): lanes without a slot write nothing wherever they
+    sit among the others, and with no lane holding a slot the pool is unchanged."""
+    from deltaflash.ops.conv.extend import write_histories
+
+    gen = torch.Generator().manual_seed(5)
+    for slots in ([-1, 3, -1, 0], [2, -1, -1, 5], [-1, -1, -1, -1], [4, 1, 0, 2]):
+        pool = torch.randn(6, 3, 2, generator=gen)
+        new = torch.randn(4, 3, 2, generator=gen)
+        want = pool.clone()
+        for lane, slot in enumerate(slots):
+            if slot >= 0:
+                want[slot] = new[lane]
+        write_histories(pool, torch.tensor(slots), new)
+        assert torch.equal(pool, want), slots
 
 
 def test_conv_extend_heads_refuses_channels_that_do_not_split():
     from deltaflash.ops.conv.extend import conv_extend_heads_ref
 
     rows, history, weight, n_rows = make_extend(2, 5, 40, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="40 channels"):
-        conv_extend_heads_ref(rows, history, weight, n_rows, 2, 3, 8)  # v: 8 channels for 3 heads
+    with pytest.raises(ValueError, match="40 channels"):  # v: 8 channels for 3 heads
+        conv_extend_heads_ref(rows, history, torch.arange(2), weight, n_rows, 2, 3, 8)
+    with pytest.raises(ValueError, match="slots must be"):
+        conv_extend_heads_ref(rows, history, torch.arange(3), weight, n_rows, 2, 4, 8)
 
 
 @interpreted

@@ -54,10 +54,12 @@ class GatedDeltaNet(MergedProjections):
         o = self.norm(o.to(z.dtype), z.unflatten(-1, (self.nv, self.dv)), kernels)
         return self.out_proj(o.flatten(-2))
 
-    def _conv(self, qkv, history, n_rows, kernels: Kernels):
-        """The short conv of the rows into the chunked rule's inputs: (q, k normalised per key head, v per
-        value head, the lanes' new conv history); ops/conv/extend.py."""
-        return kernels.conv_extend_heads(qkv, history, self.conv_weight, n_rows, self.nk, self.nv, self.dk)
+    def _conv(self, qkv, batch: ExtendBatch, pool: SlotPool, kernels: Kernels):
+        """The short conv of the rows into the chunked rule's inputs (q, k normalised per key head, v per
+        value head), each lane's conv history read from and its new one written to its slot (a lane without
+        one: zeros, nothing written); ops/conv/extend.py."""
+        return kernels.conv_extend_heads(qkv, pool.conv_history[:, self.gdn_index], batch.slot_ids, self.conv_weight,
+                                         batch.n_rows, self.nk, self.nv, self.dk)
 
     def extend(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
         """x [L, T, H] normed hidden. Reads and writes the lanes' conv history and recurrent state."""
@@ -69,18 +71,12 @@ class GatedDeltaNet(MergedProjections):
         full = batch.full_host  # every lane live with T rows: no gathers, no scatters
         lane_idx = batch.live_lanes
         slot_idx = batch.slot_ids[lane_idx]
-        if full:
-            history = pool.conv_history[batch.slot_ids, g_i]
-        else:
-            history = torch.zeros(L, *pool.conv_history.shape[2:], dtype=pool.conv_history.dtype, device=x.device)
-            history[lane_idx] = pool.conv_history[slot_idx, g_i]
-        q, k, v, new_history = self._conv(qkv, history, batch.n_rows, kernels)
-        pool.conv_history[slot_idx, g_i] = (new_history if full else new_history[lane_idx]).to(pool.conv_history.dtype)
+        q, k, v = self._conv(qkv, batch, pool, kernels)
 
         state = pool.recurrent_state[slot_idx, g_i]  # gathered copy [L', nv, dk, dv]
         if T == 1:
             g, beta = gdn_gates(a[lane_idx, 0], b[lane_idx, 0], self.A_log, self.dt_bias)
-            q1, k1 = (value_heads(x[lane_idx, 0], self.nv).float() for x in (q, k))  # q, k per key head
+            q1, k1 = (value_heads(t[lane_idx, 0], self.nv).float() for t in (q, k))  # q, k per key head
             o_live = recurrent_gated_delta_step_ref(q1 * self.dk ** -0.5, k1, v[lane_idx, 0].float(), g, beta,
                                                     state).to(v.dtype)[:, None]
         else:
@@ -106,9 +102,7 @@ class GatedDeltaNet(MergedProjections):
         g_i, slots = self.gdn_index, batch.state_slots
         live = batch.live_mask[:, None, None]
         qkv, z, b, a = self.project(x)
-        history = pool.conv_history[slots, g_i]
-        q, k, v, new_history = self._conv(qkv, history, batch.n_rows, kernels)
-        pool.conv_history[slots, g_i] = torch.where(live, new_history.to(history.dtype), history)
+        q, k, v = self._conv(qkv, batch, pool, kernels)  # a padding lane (slot -1) writes no history
         state = pool.recurrent_state[slots, g_i]
         o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, self.A_log, self.dt_bias, state, batch.rows_valid)
         pool.recurrent_state[slots, g_i] = torch.where(live[..., None], final, state)

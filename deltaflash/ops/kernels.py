@@ -30,7 +30,7 @@ class Kernels:
     gated_rms_norm: Callable          # (o, z, weight, eps)
     plain_rms_norm: Callable          # (x, weight, eps): the drafter's norms, w * rmsnorm(x)
     add_rms_norm: Callable            # (x, y, weight, eps) -> (x + y, zero-centered norm of it): residual + next norm
-    conv_extend_heads: Callable       # (rows, history, weight, n_rows, nk, nv, dk) -> (q, k, v, new history): prefill
+    conv_extend_heads: Callable       # (rows, conv_history, slots, weight, n_rows, nk, nv, dk) -> (q, k, v): prefill, history in place
     conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
     gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
     commit_state: Callable            # (recurrent_state, replay_log, conv_history, windows, plan): replay + conv commit

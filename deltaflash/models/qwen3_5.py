@@ -123,7 +123,7 @@ class Qwen35Model(nn.Module):
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
         taps [L, T, n_taps*H] or None). A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
-        L, T = batch.input_ids.shape
+        L = batch.input_ids.shape[0]
         device = batch.input_ids.device
         x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)

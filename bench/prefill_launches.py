@@ -11,7 +11,6 @@ replaces with the torch reference, one entry ("fla-core chunk rule": on CUDA its
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.checkpoints builds the tiny target
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_launches import Launches  # noqa: E402
+from round_launches import interpreted_launches  # noqa: E402
 
 
 def main() -> None:
@@ -28,9 +27,7 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=2, help="lanes of the batch (the last one a padding lane)")
     ap.add_argument("--rows", type=int, default=64, help="rows a lane (the graph shape T)")
     args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the fused kernels on the CPU)")
-    from triton.runtime import interpreter
+    count = interpreted_launches()
 
     import deltaflash.models.gdn as gdn_module
     from deltaflash.cache.slots import SlotPool
@@ -39,10 +36,6 @@ def main() -> None:
     from deltaflash.ops.kernels import triton_kernels
     from tests.checkpoints import build_hf_model, save_checkpoint
 
-    count = Launches()
-    launch = interpreter.InterpretedFunction.run
-    interpreter.InterpretedFunction.run = lambda self, *a, **k: count.as_one(launch, "triton " + self.fn.__name__)(
-        self, *a, **k)
     chunk_rule = gdn_module.chunk_gated_delta_rule_padded
 
     def chunk_rule_counted(*args):

@@ -61,6 +61,20 @@ class Launches(TorchDispatchMode):
         return counted
 
 
+def interpreted_launches() -> Launches:
+    """A counter with every Triton launch counted as one: the kernels run interpreted on the CPU, so the
+    process must run under TRITON_INTERPRET=1 (it exits otherwise)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the fused kernels on the CPU)")
+    from triton.runtime import interpreter
+
+    count = Launches()
+    launch = interpreter.InterpretedFunction.run
+    interpreter.InterpretedFunction.run = lambda self, *a, **k: count.as_one(launch, "triton " + self.fn.__name__)(
+        self, *a, **k)
+    return count
+
+
 class _Graph:
     def __init__(self, run):
         self.run = run
@@ -72,18 +86,12 @@ def main() -> None:
     ap.add_argument("--round-graphs", action="store_true", help="greedy rounds as one graph (EngineConfig.round_graphs)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the fused kernels on the CPU)")
-    from triton.runtime import interpreter
+    count = interpreted_launches()
 
     import deltaflash.engine.runner as runner_module
     from deltaflash.core.request import SamplingParams
     from tests.spec_pairs import engine_for, make_pair, prompts
 
-    count = Launches()
-    launch = interpreter.InterpretedFunction.run
-    interpreter.InterpretedFunction.run = lambda self, *a, **k: count.as_one(launch, "triton " + self.fn.__name__)(
-        self, *a, **k)
     target, draft = make_pair(Path(tempfile.mkdtemp()), "dense_gqa", "dflash", block_size=8)
     budget = args.tree_budget
     engine = engine_for(target, draft, kernels="triton", max_slots=1, max_model_len=128, tree_budget=budget,

@@ -12,6 +12,8 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
                                 reason="kernel tests need TRITON_INTERPRET=1 before import, or CUDA")
 
+# Triton 3.6's interpreter rounds fp32 -> bf16 otherwise than torch does: bf16 bits are checked on CUDA only
+HALF = torch.float16 if INTERPRETED else torch.bfloat16
 CASES = [(5, torch.float32), (64, torch.float32), (96, torch.bfloat16), (256, torch.bfloat16)]
 
 
@@ -95,6 +97,28 @@ def test_gated_norm_reads_the_gate_in_place_from_projection_columns(D, dtype):
     torch.testing.assert_close(y, gated_rms_norm_ref(x, z, w, 1e-6), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("D", [5, 128, 256])
+def test_a_rows_bits_do_not_depend_on_how_many_rows_the_call_has(D):
+    """Narrow rows go several to a program (rows_per_program): any row count - a ragged last program
+    too - gives each row the bits it gets alone (batch invariance), for the plain, the gated and the
+    residual norms."""
+    from deltaflash.ops.norm.rms_norm import add_rms_norm, rows_per_program
+
+    g = torch.Generator().manual_seed(D + 4)
+    R = 3 * rows_per_program(D) + 1
+    x, z, r = ((3 * torch.randn(R, D, generator=g)).to(HALF).to(DEVICE) for _ in range(3))
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(HALF).to(DEVICE)
+    whole = (zero_centered_rms_norm(x, w, 1e-6), gated_rms_norm(x, z, w, 1e-6), *add_rms_norm(x, r, w, 1e-6))
+    assert rows_per_program(D) > 1 or D > 2048
+    for rows in (slice(0, 1), slice(R - 1, R), slice(1, R - 2)):
+        part = (zero_centered_rms_norm(x[rows], w, 1e-6), gated_rms_norm(x[rows], z[rows], w, 1e-6),
+                *add_rms_norm(x[rows], r[rows], w, 1e-6))
+        for got, want in zip(part, whole):
+            assert torch.equal(got, want[rows])
+    torch.testing.assert_close(whole[0], zero_centered_rms_norm_ref(x, w, 1e-6), **tolerance(HALF))
+    torch.testing.assert_close(whole[1], gated_rms_norm_ref(x, z, w, 1e-6), **tolerance(HALF))
+
+
 def test_empty_input_and_bad_weight():
     assert zero_centered_rms_norm(torch.empty(0, 8, device=DEVICE), torch.zeros(8, device=DEVICE), 1e-6).shape == (0, 8)
     with pytest.raises(ValueError, match="weight must be"):
@@ -123,8 +147,6 @@ def test_silu_mul_matches_ref_on_column_views(I, dtype):
                                                 dict(rtol=2e-2, atol=2e-2)))
 
 
-# Triton 3.6's interpreter rounds fp32 -> bf16 otherwise than torch does: bf16 bits are checked on CUDA only
-HALF = torch.float16 if INTERPRETED else torch.bfloat16
 
 
 @pytest.mark.parametrize("D,dtype", [(5, torch.float32), (96, HALF), (256, HALF)])

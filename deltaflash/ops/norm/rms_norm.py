@@ -1,6 +1,9 @@
 """RMS norms in one kernel launch each (the torch references take about nine).
 
-Reference: naive.py. One program per row of D features; statistics in fp32.
+Reference: naive.py. Statistics in fp32, one row of D features at a time; a program takes `rows_per_program(D)`
+rows (narrow rows - the GDN output's heads of 128, attention's q / k heads of 256 - a tile of several, so that a
+2048-token prefill's 65,536 head rows are not 65,536 one-warp programs). The count follows D alone, so a row's
+bits never depend on how many rows the call has.
 """
 
 from __future__ import annotations
@@ -11,37 +14,45 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x, gate, weight, y, total, stride_x_r, stride_g_t, stride_g_h, G_H, eps,
+def rms_norm_kernel(x, gate, weight, y, total, R, stride_x_r, stride_g_t, stride_g_h, G_H, eps,
                     D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                    PLAIN: tl.constexpr = False):
-    """Row i_r: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered); with PLAIN, y = w * normed.to(dtype)
-    (naive.plain_rms_norm_ref: the drafter's norms); with GATED, y = (w * normed.to(dtype)) * silu(gate)
-    with the roundings of naive.gated_rms_norm_ref. With
+                    PLAIN: tl.constexpr = False, BR: tl.constexpr = 1):
+    """Rows [BR * program, +BR) of R, each: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered); with
+    PLAIN, y = w * normed.to(dtype) (naive.plain_rms_norm_ref: the drafter's norms); with GATED,
+    y = (w * normed.to(dtype)) * silu(gate) with the roundings of naive.gated_rms_norm_ref. With
     RESIDUAL (zero-centered only), x is first replaced by x + gate rounded to the dtype, which is
     also written to `total` (the residual stream's add and the next norm in one pass). Gate row i_r
     lies at (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h: rows of G_H heads of a strided view
     (the GDN gate z: per-head rows of a column slice of the projection) are read in place."""
-    i_r = tl.program_id(0).to(tl.int64)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
+    i_r = (tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR))[:, None]  # [BR, 1]
+    o_d = tl.arange(0, BD)[None, :]
+    m = (o_d < D) & (i_r < R)
     p_g = gate + (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h + o_d
-    b_x = tl.load(x + i_r * stride_x_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_x = tl.load(x + i_r * stride_x_r + o_d, mask=m, other=0.0).to(tl.float32)
     if RESIDUAL:
-        b_r = tl.load(p_g, mask=m_d, other=0.0).to(tl.float32)
+        b_r = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
         b_s = (b_x + b_r).to(y.dtype.element_ty)
-        tl.store(total + i_r * D + o_d, b_s, mask=m_d)
+        tl.store(total + i_r * D + o_d, b_s, mask=m)
         b_x = b_s.to(tl.float32)
-    b_n = b_x * tl.math.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
-    b_w = tl.load(weight + o_d, mask=m_d, other=0.0)
+    b_n = b_x * tl.math.rsqrt(tl.sum(b_x * b_x, axis=1)[:, None] / D + eps)
+    b_w = tl.load(weight + o_d, mask=o_d < D, other=0.0)
     dtype = y.dtype.element_ty
     if (GATED or PLAIN) and not RESIDUAL:
         b_y = (b_w.to(tl.float32) * b_n.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         if GATED:
-            b_g = tl.load(p_g, mask=m_d, other=0.0).to(tl.float32)
+            b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
             b_y = b_y * (b_g / (1.0 + tl.exp(-b_g)))
     else:
         b_y = b_n * (1.0 + b_w.to(tl.float32))
-    tl.store(y + i_r * D + o_d, b_y.to(dtype), mask=m_d)
+    tl.store(y + i_r * D + o_d, b_y.to(dtype), mask=m)
+
+
+TILE = 2048  # features per program at most, rows of them: 16 rows of 128, 8 of 256, one of 4096
+
+
+def rows_per_program(D: int) -> int:
+    """Rows one program normalises: as many whole rows as fit TILE features, at most 16 (by D alone)."""
+    return max(1, min(16, TILE // triton.next_power_of_2(D)))
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -77,11 +88,13 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.
         g2, stride_g_t, stride_g_h, heads = _head_rows(gate if residual is None else residual, D)
     y = torch.empty(x2.shape, dtype=dtype, device=x.device)
     total = torch.empty_like(y) if residual is not None else None
-    if x2.shape[0]:
-        BD = triton.next_power_of_2(D)
-        rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, y if total is None else total, x2.stride(0), stride_g_t,
-                                        stride_g_h, heads, eps, D=D, BD=BD, GATED=gate is not None,
-                                        RESIDUAL=residual is not None, PLAIN=plain, num_warps=min(8, max(1, BD // 512)))
+    R = x2.shape[0]
+    if R:
+        BD, BR = triton.next_power_of_2(D), rows_per_program(D)
+        rms_norm_kernel[(triton.cdiv(R, BR),)](x2, g2, weight, y, y if total is None else total, R, x2.stride(0),
+                                               stride_g_t, stride_g_h, heads, eps, D=D, BD=BD, GATED=gate is not None,
+                                               RESIDUAL=residual is not None, PLAIN=plain, BR=BR,
+                                               num_warps=min(8, max(1, BR * BD // 512)))
     return y.view(x.shape), None if total is None else total.view(x.shape)
 
 

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 from deltaflash.errors import CommitRejectedError  # noqa: E402
 from deltaflash.ops.conv.naive import conv_commit_ref, conv_tree_step_ref  # noqa: E402
 from deltaflash.ops.gdn.naive import gdn_gates_ref, gdn_verify_ref, replay_commit_ref  # noqa: E402
+from tests.guards import no_host_reads  # noqa: E402
 
 K_CONV = 4
 
@@ -533,8 +534,22 @@ def test_conv_history_writes_without_a_slot_leave_the_pool_as_it_was():
         for lane, slot in enumerate(slots):
             if slot >= 0:
                 want[slot] = new[lane]
-        write_histories(pool, torch.tensor(slots), new)
+        with no_host_reads():  # a prefill graph captures it
+            write_histories(pool, torch.tensor(slots), new)
         assert torch.equal(pool, want), slots
+
+
+def test_conv_histories_are_read_and_written_without_a_host_read():
+    """The torch route of the prefill conv runs inside prefill graphs on CUDA: no op of it may read a
+    device value on the host (an `.item()`, or indexing by a 0-dim tensor), which voids a capture."""
+    from deltaflash.ops.conv.extend import conv_extend_heads_ref
+
+    rows, _, weight, n_rows = make_extend(3, 6, 48, torch.float32, seed=2)
+    pool = torch.randn(5, 48, weight.shape[1] - 1)
+    with no_host_reads():
+        conv_extend_heads_ref(rows, pool, torch.tensor([2, -1, 0]), weight, n_rows, 2, 4, 8)
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        torch.arange(3)[torch.tensor(1)]  # the check sees the read the old write_histories made
 
 
 def test_conv_extend_heads_refuses_channels_that_do_not_split():

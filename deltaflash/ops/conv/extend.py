@@ -187,12 +187,14 @@ def write_histories(conv_history: torch.Tensor, slots: torch.Tensor, new_history
     """conv_history[slots[l]] = new_history[l] for every lane with a slot (>= 0; those are distinct), in one
     index_put_ and no host sync (a CUDA graph captures it): a lane without a slot writes what the first lane
     with one writes, to that slot - copies of one value, the same whichever lands last - or, where no lane
-    has a slot, row 0's history back unchanged."""
+    has a slot, row 0's history back unchanged. The first lane is picked by index_select: indexing with a
+    0-dim tensor would read it on the host."""
     live = slots >= 0
-    first = live.int().argmax()  # the first lane with a slot (0 if none)
-    target = torch.where(live, slots, slots[first].clamp(min=0))
+    first = live.int().argmax().view(1)  # the first lane with a slot (0 if none)
+    target = torch.where(live, slots, slots.index_select(0, first).clamp(min=0))
     new_history = new_history.to(conv_history.dtype)
-    fallback = torch.where(live[first], new_history[first], conv_history[target[first]])
+    fallback = torch.where(live.index_select(0, first)[:, None, None], new_history.index_select(0, first),
+                           conv_history.index_select(0, target.index_select(0, first)))
     conv_history[target] = torch.where(live[:, None, None], new_history, fallback)
 
 

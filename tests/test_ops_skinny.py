@@ -115,6 +115,22 @@ def test_config_resolves_the_table():
             EngineConfig(skinny_gemm=str(Path(tmp, "missing.json"))).resolve(cpu, None, env=env)
 
 
+def test_every_shipped_table_loads_and_is_found_by_its_devices_name():
+    """Each tiles/*.json that ships is a table, found under the name of the device it was tuned on, with
+    tiles the kernel takes (K a multiple of BK: its keys' K; BK and BN powers of two)."""
+    from deltaflash.ops.gemm.skinny import TABLES
+
+    shipped = sorted(TABLES.glob("*.json"))
+    assert any(p.stem == "nvidia-h100-80gb-hbm3" for p in shipped)
+    for path in shipped:
+        table = SkinnyGemms.load(path)
+        assert bundled_table(table.device) == path, path
+        for key, tile in table.tiles.items():
+            k = int(key.split(":")[0].split("x")[1])
+            assert k % tile.block_k == 0 and tile.block_k & (tile.block_k - 1) == 0, (path, key)
+            assert tile.block_n & (tile.block_n - 1) == 0 and tile.split >= 1, (path, key)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the engine test runs on the CPU interpreter")
 def test_an_engine_routes_its_round_products_through_the_table(monkeypatch):
     """An engine given a table runs the target's and the drafter's few-row products through the kernel

@@ -8,7 +8,7 @@
 # Steps: tests spec target tune tunebuild tuneconv skinny skinnyround kernels round profile demo first e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
-# treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice (tp: the 27B shape's round at TP 1 and
+# treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
@@ -18,7 +18,7 @@
 # e2etau: TAUS ("6 3"), SPECULATION (auto), PROMPT_LEN_MAX (prompts of 128 to that many tokens, not 256 each);
 # prefillscale (the scripted e2e
 # with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
-# PS_CONCURRENCY ("16 64"), SPECULATION. specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
+# PS_CONCURRENCY ("16 64"), SPECULATION. prefillstacks: STACKS (a kernel-name regex, "direct_copy"). specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -217,6 +217,8 @@ for step in "$@"; do
                done ;;
         prefillattn) run prefillattn 60 python3 bench/prefill_attention.py ;;  # paged kernel vs the dense route
         chunkprofile) run chunkprofile 150 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 10 ;;  # issue 15
+        prefillstacks) DELTAFLASH_NO_PREFILL_GRAPHS=1 run prefillstacks 150 python3 bench/step_profile.py --shape 9b \
+                           --ttft 2048 --steps 3 --stacks "${STACKS:-direct_copy}" ;;  # which lines launch those kernels
         serveoverlap) for flag in "" --no-host-overlap; do  # issue 15: the device's wait for the host, overlap on / off
                           run serveoverlap 240 python3 -m deltaflash bench serve --draft deltaflash/assets/demo/draft \
                               --max-concurrency 64 --clients 64 --requests 512 --max-tokens 128 --disconnect-fraction 0 \

@@ -3,11 +3,13 @@ the device's busy time per step, and the host-side torch ops and device kernels 
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
     python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
-        [--slowest 5] [--gc-freeze] [--split] [--ttft N] [--shape 9b] [--tree-budget N]
+        [--slowest 5] [--gc-freeze] [--split] [--ttft N [--stacks REGEX]] [--shape 9b] [--tree-budget N]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 
 --shape 9b / 27b: a target-only engine of that shape (random bf16 weights) instead of the demo pair, for
 --ttft: which kernels of a long prefill run below the GEMM rate (the device kernels table).
+--stacks REGEX (with --ttft): the Python lines launching the matching kernels, e.g. `--stacks direct_copy` under
+DELTAFLASH_NO_PREFILL_GRAPHS=1 (a graph replay has no launching op).
 """
 
 from __future__ import annotations
@@ -85,6 +87,47 @@ def watch():
         gc.callbacks.remove(seen.on_gc)
 
 
+def launch_stacks(run, pattern: str, requests: int, rows: int) -> None:
+    """Which Python lines launch the device kernels whose names match `pattern` (a regex; on the CPU, the
+    ops' own names): `run` once under the profiler with Python stacks, each matching kernel charged to the
+    innermost deltaflash / fla frames of the op that launched it. Kernels replayed from a CUDA graph carry
+    no launching op: profile eager steps for them (DELTAFLASH_NO_PREFILL_GRAPHS=1 for a prefill)."""
+    from collections import defaultdict
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        run()
+    sync()
+    match = re.compile(pattern)
+    by_site = defaultdict(lambda: [0, 0.0])  # (kernel, launching op, frames) -> [launches, device us]
+    for event in prof.events():
+        kernels = [(k.name, k.duration) for k in event.kernels if match.search(k.name)]
+        if not torch.cuda.is_available() and match.search(event.name) and event.cpu_parent is not None:
+            kernels = [(event.name, event.cpu_time_total)]  # the CPU: the op is the "kernel"
+        if not kernels:
+            continue
+        op = event if event.name.startswith("aten::") or event.cpu_parent is None else event.cpu_parent
+        while op.cpu_parent is not None and op.cpu_parent.name.startswith("aten::"):
+            op = op.cpu_parent  # the outermost aten op: what the Python line called
+        frames, parent = [], op.cpu_parent
+        while parent is not None and len(frames) < 4:  # Python frames are the op's parents (or its `stack`)
+            if re.search(r"(deltaflash|fla)/.*\.py\(\d+\)", parent.name):
+                frames.append(re.sub(r".*?((deltaflash|fla)/)", r"\1", parent.name))
+            parent = parent.cpu_parent
+        frames = frames or [f for f in (op.stack or []) if re.search(r"(deltaflash|fla)/", f)][:4]
+        for name, us in kernels:
+            site = by_site[(kernel_name(name, 60), op.name, " <- ".join(frames) or "?")]
+            site[0] += 1
+            site[1] += us
+    print(f"  launch sites of kernels matching {pattern!r} (per request: launches, device us):")
+    if not by_site:
+        print("    none (graph replays carry no launching op: profile eager steps)")
+    for (name, op, frames), (n, us) in sorted(by_site.items(), key=lambda kv: -kv[1][1])[:rows]:
+        print(f"    {n / requests:6.1f}  {us / requests:9.1f}  {name}  [{op}]  {frames}")
+
+
 def ttft_profile(engine, args) -> None:
     """One prompt at a time: wall from add_request to its first token, then where one prefill's host time goes."""
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -121,6 +164,8 @@ def ttft_profile(engine, args) -> None:
     print("  host ops by self CPU time per request (us, calls per request):")
     for e in host[:args.rows]:
         print(f"    {e.self_cpu_time_total / 10:8.1f}  {e.count / 10:6.1f}  {e.key[:90]}")
+    if args.stacks:
+        launch_stacks(lambda: [first_token(i) for i in range(2)], args.stacks, 2, args.rows)
     import cProfile
     import pstats
     with cProfile.Profile() as py:
@@ -204,6 +249,9 @@ def main() -> None:
                     "engine of random bf16 weights of that shape")
     ap.add_argument("--ttft", type=int, default=0, metavar="N",
                     help="instead: time to first token of one N-token prompt at a time (host ops, Python functions)")
+    ap.add_argument("--stacks", default=None, metavar="REGEX",
+                    help="with --ttft: the Python lines that launch the kernels matching REGEX (eager steps only: "
+                         "DELTAFLASH_NO_PREFILL_GRAPHS=1)")
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
     slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}

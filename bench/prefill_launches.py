@@ -5,7 +5,7 @@ depend on the model's size): an eager torch op that launches a kernel counts one
 dtype launches nothing and is not counted), a Triton launch one, and fla-core's chunked rule, which the CPU
 replaces with the torch reference, one entry ("fla-core chunk rule": on CUDA its own ~7 launches).
 
-    TRITON_INTERPRET=1 python bench/prefill_launches.py [--lanes 2] [--rows 64]
+    TRITON_INTERPRET=1 python bench/prefill_launches.py [--lanes 2] [--rows 64] [--first-chunk]
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=2, help="lanes of the batch (the last one a padding lane)")
     ap.add_argument("--rows", type=int, default=64, help="rows a lane (the graph shape T)")
+    ap.add_argument("--first-chunk", action="store_true",
+                    help="every lane starts its sequence (a first-chunk graph: attention over the chunk's own K/V)")
     args = ap.parse_args()
     count = interpreted_launches()
 
@@ -56,7 +58,8 @@ def main() -> None:
     pool = SlotPool(model.cfg, L + 2, 2 * T, torch.bfloat16, "cpu")
     slots = list(range(L - 1)) + [-1]
     batch = ExtendBatch.padded(torch.zeros(L, T, dtype=torch.long), torch.tensor(slots), torch.zeros(L, dtype=torch.long),
-                               torch.tensor([T // 2 + 1] * (L - 1) + [0]), torch.tensor(list(range(L - 1)) + [L]))
+                               torch.tensor([T // 2 + 1] * (L - 1) + [0]), torch.tensor(list(range(L - 1)) + [L]),
+                               starts_sequences=args.first_chunk)
     with count, torch.inference_mode():
         count.phase = "prefill"
         model.extend(batch, pool, triton_kernels())

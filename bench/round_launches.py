@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.spec_pairs
 # ops that launch nothing (views, allocations, host reads)
 FREE = {"view", "_unsafe_view", "expand", "slice", "select", "t", "transpose", "permute", "unsqueeze", "squeeze",
         "as_strided", "empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "split",
-        "split_with_sizes", "unbind", "lift_fresh", "_reshape_alias", "reshape", "flatten", "movedim", "contiguous",
-        "unflatten", "narrow", "diagonal", "_local_scalar_dense", "view_as", "chunk", "expand_as", "resolve_conj",
-        "resolve_neg", "set_"}
+        "split_with_sizes", "unbind", "lift_fresh", "_reshape_alias", "movedim", "unflatten", "narrow", "diagonal",
+        "_local_scalar_dense", "view_as", "chunk", "expand_as", "resolve_conj", "resolve_neg", "set_"}
+# a view where the layout allows one, else a copy (one launch): counted as "<name> (copy)" when the result
+# does not share the input's storage
+VIEW_OR_COPY = {"reshape", "flatten", "contiguous"}
 
 
 class Launches(TorchDispatchMode):
@@ -46,9 +48,13 @@ class Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__
-        if name not in FREE:
+        out = func(*args, **(kwargs or {}))
+        if name in VIEW_OR_COPY:
+            if out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr():
+                self.tally(f"{name} (copy)")
+        elif name not in FREE:
             self.tally(name)
-        return func(*args, **(kwargs or {}))
+        return out
 
     def as_one(self, fn, name: str, n: int = 1):
         def counted(*args, **kwargs):

@@ -3,7 +3,8 @@ the device's busy time per step, and the host-side torch ops and device kernels 
 Uses only the engine's public API, so the same script profiles an older tree side by side:
 
     python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
-        [--slowest 5] [--gc-freeze] [--split] [--ttft N [--stacks REGEX]] [--shape 9b] [--tree-budget N]
+        [--slowest 5] [--gc-freeze] [--split] [--ttft N [--stacks REGEX]] [--shape 9b]
+        [--tree-budget N]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 
 --shape 9b / 27b: a target-only engine of that shape (random bf16 weights) instead of the demo pair, for

@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent("""
         for consts in (dict(D=4096, BD=4096, GATED=False, RESIDUAL=True, PLAIN=False, BR=1),  # residual add + norm
                        dict(D=128, BD=128, GATED=True, RESIDUAL=False, PLAIN=False, BR=16)):  # GDN's gated norm
             signature = {n: "constexpr" if n in consts else "fp32" if n == "eps" else "i64" if n.startswith("stride")
-                         else "i32" if n in ("G_H", "R") else f"*{dtype}" for n in rms_norm_kernel.arg_names}
+                         else "i32" if n in ("G_H", "X_H", "R") else f"*{dtype}" for n in rms_norm_kernel.arg_names}
             kernel = triton.compile(ASTSource(rms_norm_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=8))
             assert ".entry rms_norm_kernel" in kernel.asm["ptx"]

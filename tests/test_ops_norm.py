@@ -35,6 +35,24 @@ def test_zero_centered_norm_matches_ref_on_strided_rows(D, dtype):
 
 
 @pytest.mark.parametrize("D,dtype", CASES)
+def test_norm_reads_head_rows_in_place_from_projection_columns(D, dtype):
+    """Attention's q and k are heads of a column slice of the merged projection ([L, T, H, D], token stride
+    wider than H * D, q's heads 2D apart beside their gates): their rows are read where they are, with
+    the bits of a contiguous copy's norm."""
+    g = torch.Generator().manual_seed(D + 5)
+    L, T, H = 2, 5, 3
+    projection = (3 * torch.randn(L, T, 2 * H * D + 2 * D + 7, generator=g)).to(dtype).to(DEVICE)
+    q = projection[..., :2 * H * D].unflatten(-1, (H, 2 * D))[..., :D]  # heads of [q | gate]
+    k = projection[..., 2 * H * D + 4:2 * H * D + 4 + 2 * D].unflatten(-1, (2, D))  # 2 heads, then 3 more columns
+    w = (0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    for x in (q, k):
+        y = zero_centered_rms_norm(x, w, 1e-6)
+        assert y.shape == x.shape and y.is_contiguous()
+        assert torch.equal(y, zero_centered_rms_norm(x.contiguous(), w, 1e-6))
+        torch.testing.assert_close(y, zero_centered_rms_norm_ref(x, w, 1e-6), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("D,dtype", CASES)
 def test_gated_norm_matches_ref(D, dtype):
     g = torch.Generator().manual_seed(D + 1)
     x = torch.randn(2, 5, 3, D, generator=g).to(dtype).to(DEVICE)

@@ -70,9 +70,15 @@ class GatedAttention(MergedProjections):
                 k = pool.key_cache[a_i].flatten(0, 1)[rows.dense_keys]
                 v = pool.value_cache[a_i].flatten(0, 1)[rows.dense_keys]
             out = kernels.prefill_attention(q, k, v, self.hd ** -0.5)
-            return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))
+            return self._gated_output(out, gate)
         out = kernels.paged_attention(q.contiguous(), pool.key_cache[a_i], pool.value_cache[a_i], pool.tables.tables,
                                       rows.slot_ids, rows.context_lens, rows.n_rows, scale=self.hd ** -0.5,
                                       mode=rows.mode, tree_mask=rows.tree_mask, max_pages=rows.max_pages,
                                       split=rows.split)
-        return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))
+        return self._gated_output(out, gate)
+
+    def _gated_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o_proj(out * sigmoid(gate)), out and gate [L, T, nh, hd]. The heads are merged after the gating:
+        gate is a strided view of the projection (each head's [q | gate] columns), which flattening first
+        would copy (one launch and two passes over it per layer)."""
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(-2))

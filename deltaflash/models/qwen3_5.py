@@ -130,7 +130,8 @@ class Qwen35Model(nn.Module):
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
         fresh, dense_keys = self._dense_route(batch, kernels, x, pool)
         rows = AttentionRows(kv_rows=pool.tables.rows(batch.slot_ids, batch.positions, batch.rows_valid),
-                             slot_ids=batch.slot_ids, context_lens=batch.positions[:, 0], n_rows=batch.n_rows,
+                             slot_ids=batch.slot_ids, n_rows=batch.n_rows,
+                             context_lens=batch.positions[:, 0].contiguous(),  # once, not in every layer's kernel call
                              max_pages=pool.tables.pages_to_read(kmax), split=False, fresh=fresh,
                              dense_keys=dense_keys)
 

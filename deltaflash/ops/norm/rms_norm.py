@@ -14,21 +14,22 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x, gate, weight, y, total, R, stride_x_r, stride_g_t, stride_g_h, G_H, eps,
+def rms_norm_kernel(x, gate, weight, y, total, R, stride_x_t, stride_x_h, X_H, stride_g_t, stride_g_h, G_H, eps,
                     D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                     PLAIN: tl.constexpr = False, BR: tl.constexpr = 1):
     """Rows [BR * program, +BR) of R, each: y = x * rsqrt(mean(x^2) + eps) * (1 + w) (zero-centered); with
     PLAIN, y = w * normed.to(dtype) (naive.plain_rms_norm_ref: the drafter's norms); with GATED,
     y = (w * normed.to(dtype)) * silu(gate) with the roundings of naive.gated_rms_norm_ref. With
     RESIDUAL (zero-centered only), x is first replaced by x + gate rounded to the dtype, which is
-    also written to `total` (the residual stream's add and the next norm in one pass). Gate row i_r
-    lies at (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h: rows of G_H heads of a strided view
-    (the GDN gate z: per-head rows of a column slice of the projection) are read in place."""
+    also written to `total` (the residual stream's add and the next norm in one pass). Row i_r of x lies
+    at (i_r // X_H) * stride_x_t + (i_r % X_H) * stride_x_h, gate row i_r likewise (G_H, stride_g_*): rows
+    of heads of a strided view (attention's q and k, the GDN gate z: per-head rows of a column slice of the
+    projection) are read in place. y and total are contiguous [R, D]."""
     i_r = (tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR))[:, None]  # [BR, 1]
     o_d = tl.arange(0, BD)[None, :]
     m = (o_d < D) & (i_r < R)
     p_g = gate + (i_r // G_H) * stride_g_t + (i_r % G_H) * stride_g_h + o_d
-    b_x = tl.load(x + i_r * stride_x_r + o_d, mask=m, other=0.0).to(tl.float32)
+    b_x = tl.load(x + (i_r // X_H) * stride_x_t + (i_r % X_H) * stride_x_h + o_d, mask=m, other=0.0).to(tl.float32)
     if RESIDUAL:
         b_r = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
         b_s = (b_x + b_r).to(y.dtype.element_ty)
@@ -81,20 +82,20 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.
     """(the norm, and with `residual` x + residual, which is what is normed; else None)."""
     D = x.shape[-1]
     dtype = x.dtype if gate is None else gate.dtype
-    x2 = _rows(x, D)
+    x2, stride_x_t, stride_x_h, x_heads = _head_rows(x, D)  # q / k heads of the projection: read in place
     if gate is None and residual is None:
-        g2, stride_g_t, stride_g_h, heads = x2, x2.stride(0), 0, 1
+        g2, stride_g_t, stride_g_h, heads = x2, stride_x_t, stride_x_h, x_heads
     else:
         g2, stride_g_t, stride_g_h, heads = _head_rows(gate if residual is None else residual, D)
-    y = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    R = x.numel() // D if D else 0
+    y = torch.empty(R, D, dtype=dtype, device=x.device)
     total = torch.empty_like(y) if residual is not None else None
-    R = x2.shape[0]
     if R:
         BD, BR = triton.next_power_of_2(D), rows_per_program(D)
-        rms_norm_kernel[(triton.cdiv(R, BR),)](x2, g2, weight, y, y if total is None else total, R, x2.stride(0),
-                                               stride_g_t, stride_g_h, heads, eps, D=D, BD=BD, GATED=gate is not None,
-                                               RESIDUAL=residual is not None, PLAIN=plain, BR=BR,
-                                               num_warps=min(8, max(1, BR * BD // 512)))
+        rms_norm_kernel[(triton.cdiv(R, BR),)](x2, g2, weight, y, y if total is None else total, R, stride_x_t,
+                                               stride_x_h, x_heads, stride_g_t, stride_g_h, heads, eps, D=D, BD=BD,
+                                               GATED=gate is not None, RESIDUAL=residual is not None, PLAIN=plain,
+                                               BR=BR, num_warps=min(8, max(1, BR * BD // 512)))
     return y.view(x.shape), None if total is None else total.view(x.shape)
 
 

@@ -18,7 +18,7 @@
 # e2etau: TAUS ("6 3"), SPECULATION (auto), PROMPT_LEN_MAX (prompts of 128 to that many tokens, not 256 each);
 # prefillscale (the scripted e2e
 # with the prefill budget scaled by the round's cost, then not): PS_WORKLOAD (scripted; demo), TAU (6),
-# PS_CONCURRENCY ("16 64"), SPECULATION. prefillstacks: STACKS (a kernel-name regex, "direct_copy"). specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
+# PS_CONCURRENCY ("16 64"), SPECULATION. prefillstacks: STACKS (a kernel-name regex; the small kernels of the 2048-token profile). specdefault: demo pair and scripted TAUS, --speculation fixed then adaptive.
 # treepair: PAIR_RUNS (2), PAIR_BUDGETS ("0 16"), PAIR_CONCURRENCY ("1 4"). treedemo: TREEDEMO_FLAGS ("--round-graphs";
 # "--no-round-graphs" for eager rounds).
 # `spec` runs the speculative and engine suites on CUDA (DELTAFLASH_TEST_DEVICE=cuda, fp32, fused kernels);
@@ -218,7 +218,7 @@ for step in "$@"; do
         prefillattn) run prefillattn 60 python3 bench/prefill_attention.py ;;  # paged kernel vs the dense route
         chunkprofile) run chunkprofile 150 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 10 ;;  # issue 15
         prefillstacks) DELTAFLASH_NO_PREFILL_GRAPHS=1 run prefillstacks 150 python3 bench/step_profile.py --shape 9b \
-                           --ttft 2048 --steps 3 --stacks "${STACKS:-direct_copy}" ;;  # which lines launch those kernels
+                           --ttft 2048 --steps 3 --stacks "${STACKS:-direct_copy|FillFunctor|where_kernel|index}" ;;  # who launches the small ones
         serveoverlap) for flag in "" --no-host-overlap; do  # issue 15: the device's wait for the host, overlap on / off
                           run serveoverlap 240 python3 -m deltaflash bench serve --draft deltaflash/assets/demo/draft \
                               --max-concurrency 64 --clients 64 --requests 512 --max-tokens 128 --disconnect-fraction 0 \

@@ -165,8 +165,6 @@ def test_silu_mul_matches_ref_on_column_views(I, dtype):
                                                 dict(rtol=2e-2, atol=2e-2)))
 
 
-
-
 @pytest.mark.parametrize("D,dtype", [(5, torch.float32), (96, HALF), (256, HALF)])
 def test_add_and_norm_is_the_add_then_the_norm(D, dtype):
     """kernels.add_rms_norm: the sum is the torch add's bits, its norm the norm kernel's bits of that sum

@@ -65,7 +65,14 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
 def _head_rows(t: torch.Tensor, D: int) -> tuple[torch.Tensor, int, int, int]:
     """[..., D] -> (a tensor holding its rows, stride_t, stride_h, heads): row r of the [R, D] flattening
     at (r // heads) * stride_t + (r % heads) * stride_h. Without a copy when the rows are evenly strided
-    or evenly strided heads of evenly strided tokens ([..., H, D] views of a wider tensor's columns)."""
+    or evenly strided heads of evenly strided tokens ([..., H, D] views of a wider tensor's columns). Evenly
+    strided rows come as one head a token (heads 1: the kernel's row arithmetic then folds away)."""
+    if t.stride(-1) == 1:
+        try:
+            rows = t.view(-1, D)
+            return rows, rows.stride(0), 0, 1
+        except RuntimeError:
+            pass
     if t.dim() >= 3 and t.stride(-1) == 1:
         try:
             tokens = t.view(-1, *t.shape[-2:])  # [N, H, D]: leading dims merged, no copy

@@ -212,6 +212,57 @@ def test_a_dense_chunk_matches_the_paged_reference(nh, nkv, hd, context):
         assert torch.allclose(got[lane, :n].float(), want[lane, :n].float(), atol=tol, rtol=tol)
 
 
+def test_a_fixed_shape_first_chunk_may_take_cudnn_and_nothing_else_does():
+    """ops/attention/dense.backends: cuDNN's kernel leads only for a first chunk of a fixed shape on CUDA
+    (it builds a plan per shape); every other chunk, and every chunk on the CPU, runs the flash kernel."""
+    from torch.nn.attention import SDPBackend
+
+    from deltaflash.ops.attention.dense import backends
+
+    flash, cudnn = SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION
+    q = torch.zeros(1, 4, 2, 8, device=DEVICE)
+    for first_chunk, fixed_shape in ((True, False), (False, True), (False, False)):
+        assert backends(q, first_chunk, fixed_shape) == [flash]
+    assert backends(q, True, True) == ([cudnn, flash] if q.is_cuda and torch.backends.cudnn.is_available() else [flash])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuDNN's attention runs on CUDA")
+@pytest.mark.parametrize("T", [256, 1024])
+def test_a_fixed_shape_first_chunk_on_cudnn_matches_the_flash_kernel_and_replays_exactly(T):
+    """9B heads (16 / 4 of 256), two lanes: the fixed-shape route runs cuDNN's kernel (not the flash one),
+    within bf16 rounding of the flash route, and a CUDA graph of it replays the eager call's bits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deltaflash.ops.attention.dense import causal_block_attention
+
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    q, k, v = (torch.randn(2, T, h, 256, device=DEVICE, dtype=torch.bfloat16, generator=g) for h in (16, 4, 4))
+
+    def kernels_of(fn):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
+
+    fixed = lambda: causal_block_attention(q, k, v, 256 ** -0.5, fixed_shape=True)  # noqa: E731
+    eager = fixed()
+    assert "pytorch_flash" not in kernels_of(fixed) and "pytorch_flash" in kernels_of(
+        lambda: causal_block_attention(q, k, v, 256 ** -0.5))
+    want = causal_block_attention(q, k, v, 256 ** -0.5)
+    torch.testing.assert_close(eager.float(), want.float(), atol=2e-2, rtol=2e-2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fixed()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fixed()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 def test_the_dense_routes_gather_is_bounded_for_the_memory_plan():
     from deltaflash.ops.attention.dense import MAX_DENSE_KEYS, gather_bytes
 

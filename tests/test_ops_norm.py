@@ -165,6 +165,32 @@ def test_silu_mul_matches_ref_on_column_views(I, dtype):
                                                 dict(rtol=2e-2, atol=2e-2)))
 
 
+@pytest.mark.parametrize("L,T,H,D,dtype", [(2, 3, 4, 64, torch.float32), (1, 5, 16, 256, torch.bfloat16),
+                                             (3, 2, 3, 40, torch.bfloat16)])
+def test_sigmoid_gate_matches_ref_on_the_projections_strided_gate(L, T, H, D, dtype):
+    """Gated attention's output gate (ops/activation/sigmoid_gate.py): x * sigmoid(gate), the gate read in
+    place from the query projection's per-head [q | gate] columns and x a transposed view; the heads merged.
+    The same bits as the torch route on a GPU; under the interpreter bf16 casts may land an ulp off."""
+    from deltaflash.ops.activation.naive import sigmoid_gate_ref
+    from deltaflash.ops.activation.sigmoid_gate import sigmoid_gate
+
+    g = torch.Generator().manual_seed(H * D)
+    projection = (torch.randn(L, T, H, 2 * D, generator=g) * 4).to(dtype).to(DEVICE)
+    gate = projection[..., D:]
+    x = torch.randn(L, H, T, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    out, ref = sigmoid_gate(x, gate), sigmoid_gate_ref(x, gate)
+    assert out.shape == ref.shape == (L, T, H * D) and out.dtype == dtype and out.is_contiguous()
+    if DEVICE == "cuda":
+        assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max()}"
+    else:
+        torch.testing.assert_close(out, ref, **(dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else
+                                                dict(rtol=2e-2, atol=2e-2)))
+    with pytest.raises(ValueError, match="must be one"):
+        sigmoid_gate(x, gate[:, :1])
+    with pytest.raises(ValueError, match="unit feature stride"):
+        sigmoid_gate(projection[..., ::2], gate)
+
+
 @pytest.mark.parametrize("D,dtype", [(5, torch.float32), (96, HALF), (256, HALF)])
 def test_add_and_norm_is_the_add_then_the_norm(D, dtype):
     """kernels.add_rms_norm: the sum is the torch add's bits, its norm the norm kernel's bits of that sum

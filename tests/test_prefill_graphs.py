@@ -192,8 +192,9 @@ def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
                     "takes half precision) and the GPU tests' engines are batch invariant")
 def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
     """A prompt of FRESH_PREFILL_MIN_ROWS rows or so at an idle engine replays the first-chunk graph of
-    its shape; a prompt arriving while it decodes goes in budget-sized chunks through the plain graphs
-    (its first chunk is below that shape). Outputs equal the eager engine's."""
+    its shape, which tells the attention its shape is fixed (cuDNN's kernel on CUDA: ops/attention/dense.py);
+    a prompt arriving while it decodes goes in budget-sized chunks through the plain graphs (its first
+    chunk is below that shape). Outputs equal the eager engine's, whose first chunks say their shapes vary."""
     T = FRESH_PREFILL_MIN_ROWS
     config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 64,
                   scale_prefill_budget=False)  # budget-sized chunks beside a round
@@ -201,12 +202,24 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
     batch = prompts(96, [T - 40, 150], seed=9)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
+    fixed = {id(plain): [], id(engine): []}  # each engine's prefill_attention calls: fixed_shape, rows
+    for e in (plain, engine):
+        attend = e.runner.kernels.prefill_attention
+
+        def spy(q, k, v, scale, fixed_shape=False, attend=attend, calls=fixed[id(e)]):
+            calls.append((fixed_shape, q.shape[1]))
+            return attend(q, k, v, scale, fixed_shape=fixed_shape)
+        e.runner.kernels = dataclasses.replace(e.runner.kernels, prefill_attention=spy)
     replays = Replays(engine)
     assert set(engine.runner.fresh_prefill_graphs) == {T}
     assert second_arrives_while_first_decodes(engine, batch, params) == \
         second_arrives_while_first_decodes(plain, batch, params)
     assert (replays.shapes[0], replays.fresh[0]) == (T, True)
     assert replays.shapes[1:] and not any(replays.fresh[1:])
+    layers = len(engine.runner.model.cfg.attn_layer_ids)
+    assert fixed[id(engine)] == [(True, T)] * layers  # the graph's forward, every attention layer
+    assert fixed[id(plain)][:layers] == [(False, T - 40)] * layers  # the eager first chunk, its own length
+    assert not any(f for f, _ in fixed[id(plain)])  # and every later eager one
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="fp32 engines on CUDA run prefill attention on pages (flash attention "

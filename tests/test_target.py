@@ -188,7 +188,8 @@ def test_a_chunk_that_starts_its_sequences_attends_over_its_own_rows(dense_folde
     base = reference_kernels()
     calls = []
 
-    def counting(q, k, v, scale):
+    def counting(q, k, v, scale, fixed_shape=False):
+        assert not fixed_shape  # an eager engine's chunks: their shapes vary
         calls.append(q.shape)
         return base.prefill_attention(q, k, v, scale)
 
@@ -249,8 +250,8 @@ def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypat
 
     model = load_model(dense_folder, device="cpu", progress=False)
     calls = []
-    kernels = dataclasses.replace(reference_kernels(), prefill_attention=lambda *a: calls.append(a[0].shape[1])
-                                  or dense.causal_block_attention(*a))
+    kernels = dataclasses.replace(reference_kernels(), prefill_attention=lambda *a, **kw: calls.append(a[0].shape[1])
+                                  or dense.causal_block_attention(*a, **kw))
     pool = SlotPool(model.cfg, 2, 256, torch.float32, "cpu")
     (prompt,) = _prompts(model.cfg.vocab_size, [200], seed=6)
     model.extend(ExtendBatch.build([(0, 0, prompt[:40])], "cpu"), pool, kernels)

@@ -117,6 +117,11 @@ class ExtendBatch:
         return cls(input_ids, positions, slot_ids, n_rows, state_slots=state_slots, starts_sequences=starts_sequences)
 
     @property
+    def fixed_shape(self) -> bool:
+        """Built by `padded`: a shape a CUDA graph captures once and replays (no host mirrors)."""
+        return not self.start_host
+
+    @property
     def live_lanes_host(self) -> list[int]:
         return [i for i, s in enumerate(self.slot_ids_host) if s >= 0]
 

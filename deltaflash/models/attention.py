@@ -26,7 +26,8 @@ class AttentionRows:
     position 0 (a first prefill chunk), so they attend to their own K/V alone and the layer runs
     `kernels.prefill_attention` on it, reading no page; dense_keys [1, S] long: the storage rows of
     keys 0..S-1 of a one-lane chunk whose rows are the last of them, gathered into one dense run for
-    `kernels.prefill_attention` (a long prompt's later chunks: ops/attention/dense.py)."""
+    `kernels.prefill_attention` (a long prompt's later chunks: ops/attention/dense.py); fixed_shape: the
+    forward is a CUDA graph's (its shape comes again at every replay)."""
 
     kv_rows: torch.Tensor
     slot_ids: torch.Tensor
@@ -38,6 +39,7 @@ class AttentionRows:
     split: bool = True
     fresh: bool = False
     dense_keys: torch.Tensor | None = None
+    fixed_shape: bool = False
 
 
 class GatedAttention(MergedProjections):
@@ -69,16 +71,11 @@ class GatedAttention(MergedProjections):
             if rows.dense_keys is not None:  # this lane's committed keys and its own rows, in position order
                 k = pool.key_cache[a_i].flatten(0, 1)[rows.dense_keys]
                 v = pool.value_cache[a_i].flatten(0, 1)[rows.dense_keys]
-            out = kernels.prefill_attention(q, k, v, self.hd ** -0.5)
-            return self._gated_output(out, gate)
+            out = kernels.prefill_attention(q, k, v, self.hd ** -0.5, fixed_shape=rows.fixed_shape)
+            return self.o_proj(kernels.sigmoid_gate(out, gate))
         out = kernels.paged_attention(q.contiguous(), pool.key_cache[a_i], pool.value_cache[a_i], pool.tables.tables,
                                       rows.slot_ids, rows.context_lens, rows.n_rows, scale=self.hd ** -0.5,
                                       mode=rows.mode, tree_mask=rows.tree_mask, max_pages=rows.max_pages,
                                       split=rows.split)
-        return self._gated_output(out, gate)
-
-    def _gated_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o_proj(out * sigmoid(gate)), out and gate [L, T, nh, hd]. The heads are merged after the gating:
-        gate is a strided view of the projection (each head's [q | gate] columns), which flattening first
-        would copy (one launch and two passes over it per layer)."""
-        return self.o_proj((out * torch.sigmoid(gate)).flatten(-2))
+        # gate: a strided view of the projection (each head's [q | gate] columns), gated per head in place
+        return self.o_proj(kernels.sigmoid_gate(out, gate))

@@ -108,7 +108,7 @@ class Qwen35Model(nn.Module):
         (all its rows valid: they are the run's last). Neither without kernels.prefill_attention."""
         if kernels.prefill_attention is None or not dense_attention.supports(x.dtype, x.device, self.cfg.head_dim):
             return False, None
-        if not batch.start_host:
+        if batch.fixed_shape:
             return batch.starts_sequences, None
         starts = [s for s, slot in zip(batch.start_host, batch.slot_ids_host) if slot >= 0]
         if starts and not any(starts):
@@ -133,7 +133,7 @@ class Qwen35Model(nn.Module):
                              slot_ids=batch.slot_ids, n_rows=batch.n_rows,
                              context_lens=batch.positions[:, 0].contiguous(),  # once, not in every layer's kernel call
                              max_pages=pool.tables.pages_to_read(kmax), split=False, fresh=fresh,
-                             dense_keys=dense_keys)
+                             dense_keys=dense_keys, fixed_shape=batch.fixed_shape)
 
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731

@@ -36,6 +36,7 @@ class Kernels:
     commit_state: Callable            # (recurrent_state, replay_log, conv_history, windows, plan): replay + conv commit
     moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
     silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
+    sigmoid_gate: Callable            # (x, gate) [L, T, h, hd] -> x * sigmoid(gate) [L, T, h * hd]: attention's output gate
     rope: Callable                    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
     move_tree_rows: Callable          # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
@@ -43,7 +44,7 @@ class Kernels:
     build_ranked_tree: Callable       # (log_p, tokens, anchors, budget) -> (tokens, parents, depth, rank, order): DFlash trees
     vocab_top_k: Callable             # (x [..., V] float32, k) -> (values, indices) [..., k]: best first, ties in index order
     ancestor_mask: Callable           # (parents [L, N]) -> [L, N, N] bool: m is n or an ancestor of n (tree verify rows)
-    # (q, k, v, scale): causal attention of a prefill chunk that starts its sequences, over its own K/V
+    # (q, k, v, scale, fixed_shape): causal attention of a prefill chunk that starts its sequences, over its own K/V
     # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
     # (a batch-invariant engine: the paged kernel's tiles do not follow the shape)
     prefill_attention: Callable | None = None
@@ -107,7 +108,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 
 
 def reference_kernels() -> Kernels:
-    from deltaflash.ops.activation.naive import silu_mul_ref
+    from deltaflash.ops.activation.naive import sigmoid_gate_ref, silu_mul_ref
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.naive import move_tree_rows_ref, paged_attention_ref
     from deltaflash.ops.conv.extend import conv_extend_heads_ref
@@ -135,6 +136,7 @@ def reference_kernels() -> Kernels:
         commit_state=_commit_state_ref,
         moe_experts=moe_experts_ref,
         silu_mul=silu_mul_ref,
+        sigmoid_gate=sigmoid_gate_ref,
         rope=apply_rope_ref,
         paged_attention=paged_attention_ref,
         move_tree_rows=move_tree_rows_ref,
@@ -151,6 +153,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.tree.build import ranked_tree
     from deltaflash.ops.tree.topk import row_top_k
     from deltaflash.ops.tree.greedy_walk import greedy_walk
+    from deltaflash.ops.activation.sigmoid_gate import sigmoid_gate
     from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.paged import paged_attention
@@ -179,6 +182,7 @@ def triton_kernels() -> Kernels:
         commit_state=commit_state,
         moe_experts=fused_moe_experts,
         silu_mul=silu_mul,
+        sigmoid_gate=sigmoid_gate,
         rope=apply_rope,
         paged_attention=paged_attention,
         move_tree_rows=move_tree_rows,

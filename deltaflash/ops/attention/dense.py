@@ -7,8 +7,13 @@ keys (a long prompt's later chunks) gathers them and its own rows from the pages
 SDPA's FlashAttention-2 backend (its flash kernel on CPU) instead of the paged kernel: on the H200 a
 2048-token first chunk of the 9B shape takes 0.52 ms per layer in the paged kernel (64-row x 16-key
 tiles: head dim 256 leaves no registers for larger ones) and 0.20 ms here, after 30,720 keys 15.5
-against 3.4 ms with the gather (`bench/prefill_attention.py`, docs/benchmarks.md). cuDNN's backend is
-not used: it builds a graph per new sequence length (ops/attention/naive.py), and every prompt has its own.
+against 3.4 ms with the gather (`bench/prefill_attention.py`, docs/benchmarks.md).
+
+A first chunk of a fixed shape (a prefill graph's capture and its warm-ups) runs on SDPA's cuDNN backend:
+on the H100 a 2048-row first chunk of the 9B shape takes 94 us there against 181 us in the flash kernel
+(1024 rows: 30 against 65 us, replayed from a graph; `bench/prefill_levers.py`). cuDNN builds an
+execution plan per new shape (~8 ms of host time), which a graph's shape pays once, at engine start;
+chunks of varying shapes (eager steps) keep the flash kernel.
 
 Both kernel sets run this same function (ops/kernels.py), so the fused and unfused routes stay bit for bit
 equal for prefill. A batch-invariant engine does not use it (the paged kernel's tiles are fixed; a
@@ -50,19 +55,29 @@ def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     return device.type == "cpu" or dtype in (torch.float16, torch.bfloat16)
 
 
-def causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def backends(q: torch.Tensor, first_chunk: bool, fixed_shape: bool) -> list[SDPBackend]:
+    """SDPA's backends for these rows, in priority order: cuDNN first for a first chunk of a fixed shape on
+    CUDA (the module's note), the flash kernel always (cuDNN's own checks may still turn a shape down)."""
+    if first_chunk and fixed_shape and q.is_cuda and torch.backends.cudnn.is_available():
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    return [SDPBackend.FLASH_ATTENTION]
+
+
+def causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           fixed_shape: bool = False) -> torch.Tensor:
     """q [L, T, nh, hd], k / v [L, S, nkv, hd] with S >= T (nh a multiple of nkv: GQA without copying
     K / V) -> [L, T, nh, hd]. The query rows are the last T of the S key positions: row t sees keys
     0..S-T+t (S == T: a first chunk, row t sees rows 0..t; S > T: a chunk after S - T committed keys,
     gathered with it into one dense run). Rows past a lane's valid rows give values nobody reads (the
-    valid rows come first and see none of them)."""
+    valid rows come first and see none of them). fixed_shape: the caller runs this shape again and again
+    (a CUDA graph), so a first chunk may take cuDNN's kernel, whose plan is built per shape."""
     if not supports(q.dtype, q.device, q.shape[-1]):
         raise ValueError(f"flash attention takes no {q.dtype} rows of head dim {q.shape[-1]} on {q.device.type}")
     T, S = q.shape[1], k.shape[1]
     if S < T:
         raise ValueError(f"{T} query rows need at least as many keys, got {S}")
     mask = {} if S == T else {"attn_mask": causal_lower_right(T, S)}
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with sdpa_kernel(backends(q, S == T, fixed_shape), set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=S == T, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
                                              **mask)

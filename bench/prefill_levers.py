@@ -1,0 +1,115 @@
+"""Two prefill levers of issue 15's 2048-token TTFT, timed in isolation on CUDA (9B shape, bf16) before the
+engine takes them:
+
+1. a first chunk's causal attention (16 query / 4 kv heads of 256) on SDPA's cuDNN backend beside the flash
+   backend the route runs today: eager, and replayed from a CUDA graph (cuDNN builds an execution plan per
+   new shape, ~8 ms of host time: a prefill graph's fixed shape would build it once, at capture);
+2. the SwiGLU MLP (4096 -> 2 x 12288 -> 4096) over blocks of rows, so that a block's gate / up output (rows
+   x 49 KB) can stay in L2 for the activation and the down projection, beside one pass over every row.
+
+    python bench/prefill_levers.py [--tokens 1024 2048] [--mlp-blocks 2048 1024 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from deltaflash.ops.activation.silu_mul import silu_mul
+
+
+def time_us(fn, n: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1e3
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph after a warm-up on a side stream: (replay, the graph's output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def attention(tokens: list[int]) -> None:
+    nh, nkv, hd = 16, 4, 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"first-chunk attention, {nh} / {nkv} heads of {hd}, bf16, causal (us per call)")
+    for T in tokens:
+        q = torch.randn(1, nh, T, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(1, nkv, T, hd, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+
+        def sdpa(backend):
+            def run():
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=True)
+            return run
+
+        flash, cudnn = sdpa(SDPBackend.FLASH_ATTENTION), sdpa(SDPBackend.CUDNN_ATTENTION)
+        line = f"  {T:5d} rows: flash {time_us(flash):8.1f}"
+        try:
+            eager = cudnn()
+            replay, out = graphed(cudnn)
+            replay()
+            torch.cuda.synchronize()
+            same = torch.equal(out, eager)
+            diff = (eager.float() - flash().float()).abs().max().item()
+            line += (f", cudnn eager {time_us(cudnn):8.1f}, cudnn graph replay {time_us(replay):8.1f}; replay equals "
+                     f"eager cudnn bit for bit: {same}; max |cudnn - flash| {diff:.2e}")
+        except RuntimeError as e:
+            line += f", cudnn: unavailable ({str(e).splitlines()[0][:100]})"
+        print(line)
+
+
+def mlp(tokens: int, blocks: list[int]) -> None:
+    H, inter = 4096, 12288
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_gu = torch.randn(2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=gen) * H ** -0.5
+    w_d = torch.randn(H, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * inter ** -0.5
+    out = torch.empty(tokens, H, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * tokens * H * 3 * inter
+    print(f"SwiGLU MLP, {tokens} rows, {H} -> 2 x {inter} -> {H}, bf16, graph replay (us per call)")
+    ref = None
+    for block in blocks:
+        def run(block=block):
+            for r in range(0, tokens, block):
+                gate, up = F.linear(x[r:r + block], w_gu).split(inter, dim=-1)
+                torch.mm(silu_mul(gate, up), w_d.t(), out=out[r:r + block])
+            return out
+
+        replay, _ = graphed(run)
+        us = time_us(replay)
+        got = out.clone()
+        ref = got if ref is None else ref
+        print(f"  blocks of {block:5d} rows: {us:8.1f} us ({flops / us / 1e6:6.1f} TFLOP/s); "
+              f"max |diff| from the first {(got.float() - ref.float()).abs().max().item():.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--mlp-blocks", type=int, nargs="+", default=[2048, 1024, 512])
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    attention(args.tokens)
+    mlp(max(args.mlp_blocks), args.mlp_blocks)
+
+
+if __name__ == "__main__":
+    main()

@@ -129,12 +129,50 @@ def launch_stacks(run, pattern: str, requests: int, rows: int) -> None:
         print(f"    {n / requests:6.1f}  {us / requests:9.1f}  {name}  [{op}]  {frames}")
 
 
+def host_split(first_token, n: int) -> None:
+    """Where a request's TTFT goes, by CUDA events on the idle stream (no profiler): from add_request to the
+    first graph replay's launch (host work: the device has nothing queued), from that launch to the last
+    replay's end (the graphs' device time, with their launch), and the rest (eager work after the replays,
+    the read of the token, its emission)."""
+    replay, marks = torch.cuda.CUDAGraph.replay, []
+
+    def timed(graph):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        replay(graph)
+        after.record()
+        marks.append((before, after))
+
+    torch.cuda.CUDAGraph.replay = timed
+    rows = []
+    try:
+        for i in range(n):
+            marks.clear()
+            start = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            first_token(i)
+            wall = 1e3 * (time.perf_counter() - t0)
+            if marks:
+                pre, graphs = start.elapsed_time(marks[0][0]), marks[0][0].elapsed_time(marks[-1][1])
+                rows.append((wall, pre, graphs, wall - pre - graphs))
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    if rows:
+        wall, pre, graphs, rest = (statistics.median(r[k] for r in rows) for k in range(4))
+        print(f"  TTFT by CUDA events (p50 of {len(rows)}, no profiler): {wall:.2f} ms = host before the first replay "
+              f"{pre:.3f} + replays {graphs:.3f} + after {rest:.3f}")
+    else:
+        print("  TTFT by CUDA events: no graph replay (eager prefill)")
+
+
 def ttft_profile(engine, args) -> None:
     """One prompt at a time: wall from add_request to its first token, then where one prefill's host time goes."""
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    prompts = [[3 + (7 * i + j) % 90 for j in range(args.ttft)] for i in range(max(10, args.steps))]
 
     def first_token(i):
-        engine.add_request([3 + (7 * i + j) % 90 for j in range(args.ttft)], params)
+        engine.add_request(prompts[i], params)
         while engine.has_work():
             engine.step()
         sync()
@@ -145,6 +183,8 @@ def ttft_profile(engine, args) -> None:
         t0 = time.perf_counter()
         first_token(i)
         walls.append(time.perf_counter() - t0)
+    if torch.cuda.is_available():
+        host_split(first_token, args.steps)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(10):

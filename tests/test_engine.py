@@ -753,6 +753,27 @@ def test_prompt_too_long_for_the_context_is_a_clear_error(pairs):
         engine.add_request(list(range(30)), SamplingParams(max_new_tokens=5))
 
 
+def test_prompt_tokens_are_checked_against_the_vocabulary(pairs):
+    """An empty prompt and a token id outside 0..V-1 (either end) are clear errors naming the id; ids of
+    any integer type (numpy, a tensor's) are taken as Python ints."""
+    import numpy as np
+
+    from deltaflash.errors import RequestError
+
+    engine = engine_for(pairs["dflash"][0], max_model_len=64)
+    vocab = engine.cfg.vocab_size
+    with pytest.raises(RequestError, match="at least one token"):
+        engine.add_request([], SamplingParams(max_new_tokens=2))
+    for bad in (vocab, -1):
+        with pytest.raises(RequestError, match=f"prompt token id {bad} outside the vocabulary 0..{vocab - 1}"):
+            engine.add_request([3, bad, 5], SamplingParams(max_new_tokens=2))
+    assert not engine.has_work()
+    rid = engine.add_request(np.array([1, vocab - 1, 2]), SamplingParams(max_new_tokens=2))
+    assert engine.scheduler.waiting[0].request_id == rid
+    assert engine.scheduler.waiting[0].prompt_ids == [1, vocab - 1, 2]
+    assert all(type(t) is int for t in engine.scheduler.waiting[0].prompt_ids)
+
+
 def test_a_target_without_attention_layers_serves():
     """Every layer Gated DeltaNet (a two-layer toy shape): no K/V bytes per page, so the page pool plans all
     its pages (the plan divided by zero) and stores nothing; greedy output alone equals output in a batch."""

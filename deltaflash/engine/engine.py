@@ -145,11 +145,12 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         params.validate()
+        prompt_ids = list(map(int, prompt_ids))  # one pass in C (a 2048-token prompt: ~0.4 ms in Python loops)
         if not prompt_ids:
             raise RequestError("prompt must contain at least one token")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:
+            bad = next(t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size)
+            raise RequestError(f"prompt token id {bad} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
         pool_tokens = self.runner.page_plan.tokens
         if len(prompt_ids) + self.config.block_size > pool_tokens:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) is longer than the whole K/V page pool "
@@ -160,7 +161,7 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the context length {self.config.max_model_len}")
         seed = params.seed if params.seed is not None or self._seeds is None else self._seeds.getrandbits(63)
-        seq = Sequence(request_id or next_request_id(), [int(t) for t in prompt_ids], params, self.stop_ids(params),
+        seq = Sequence(request_id or next_request_id(), prompt_ids, params, self.stop_ids(params),
                        resolve_seed(params) if seed is None else seed)
         if params.grammar is not None:
             seq.matcher = self._grammars().matcher(params.grammar)

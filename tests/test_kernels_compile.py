@@ -1,4 +1,4 @@
-"""The prefill conv, SwiGLU, attention output gate, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
+"""The prefill conv, SwiGLU, attention output gate, K/V write, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
 greedy tree walk, vocabulary top-k, ancestor mask and skinny GEMM kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
 under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined
 with another shape inside an `if`): this catches that before a GPU run does."""
@@ -16,6 +16,7 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from deltaflash.ops.activation.sigmoid_gate import sigmoid_gate_kernel
     from deltaflash.ops.activation.silu_mul import silu_mul_kernel
+    from deltaflash.ops.attention.kv_write import write_kv_kernel
     from deltaflash.ops.attention.tree_rows import move_tree_rows_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
     from deltaflash.ops.gdn.commit import state_commit_kernel
@@ -47,6 +48,12 @@ SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(sigmoid_gate_kernel, signature, dict(HD=256, BF=1024)),
                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
         assert ".entry sigmoid_gate_kernel" in kernel.asm["ptx"]  # (libdevice's expf has its own fma)
+        signature = {n: "*i64" if n == "rows" else f"*{dtype}" if n in ("key_cache", "value_cache", "keys", "values")
+                     else "constexpr" if n in ("HD", "D", "BD") else "i64" if n.startswith("stride") else "i32"
+                     for n in write_kv_kernel.arg_names}
+        kernel = triton.compile(ASTSource(write_kv_kernel, signature, dict(HD=256, D=1024, BD=1024)),
+                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert ".entry write_kv_kernel" in kernel.asm["ptx"]
         signature = {n: f"*{dtype}" if n in ("x", "cos", "sin", "out") else "constexpr" if n in ("BH", "BD") else
                      "i64" if n.startswith("stride") else "i32" for n in rope_kernel.arg_names}
         kernel = triton.compile(ASTSource(rope_kernel, signature, dict(BH=16, BD=256)),

@@ -263,6 +263,39 @@ def test_a_fixed_shape_first_chunk_on_cudnn_matches_the_flash_kernel_and_replays
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=["fp32", "half"])
+@pytest.mark.parametrize("L,T,nkv,hd,page", [(3, 5, 2, 64, 4), (1, 37, 4, 256, 16), (2, 3, 3, 40, 5)])
+def test_kv_write_is_the_references_scatter(L, T, nkv, hd, page, dtype):
+    """ops/attention/kv_write.py: keys (the RoPE kernel's contiguous output) and values (a strided view of
+    the projection) of every row land at their storage rows, as naive.write_kv_ref puts them; rows of a
+    padding lane and past a lane's valid rows all go to the sink page, which is never compared."""
+    from deltaflash.cache.pages import BlockTables
+    from deltaflash.ops.attention.kv_write import write_kv
+    from deltaflash.ops.attention.naive import write_kv_ref
+
+    g = torch.Generator().manual_seed(T * hd)
+    slots = 4
+    tables = BlockTables(slots, 64, page, DEVICE, num_pages=slots * -(-64 // page))
+    tables.map([(s, i, s * tables.max_pages + i) for s in range(slots) for i in range(tables.max_pages)])
+    slot_ids = torch.tensor([2, -1, 0][:L] if L > 1 else [3], device=DEVICE)
+    positions = torch.randint(0, 60 - T, (L, 1), generator=g).to(DEVICE) + torch.arange(T, device=DEVICE)
+    keep = torch.arange(T, device=DEVICE)[None] < torch.tensor([T, T, T - 1][:L], device=DEVICE)[:, None]
+    rows = tables.rows(slot_ids, positions, keep)
+    keys = torch.randn(L, T, nkv, hd, generator=g).to(dtype).to(DEVICE)
+    projection = torch.randn(L, T, 3 * nkv * hd, generator=g).to(dtype).to(DEVICE)
+    values = projection[..., nkv * hd:2 * nkv * hd].unflatten(-1, (nkv, hd))  # strided, as the layer's v
+    shape = (tables.num_pages + 1, page, nkv, hd)
+    caches = [torch.randn(shape, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    got, want = [c.clone() for c in caches], [c.clone() for c in caches]
+    write_kv(*got, rows, keys, values)
+    write_kv_ref(*want, rows, keys, values)
+    for a, b, before in zip(got, want, caches):
+        assert torch.equal(a[:-1], b[:-1])  # the sink page (last) takes whatever padding rows write
+        assert not torch.equal(a[:-1], before[:-1])
+    with pytest.raises(ValueError, match="unit feature stride"):
+        write_kv(*got, rows, keys, projection[..., ::3][..., :nkv * hd].unflatten(-1, (nkv, hd)))
+
+
 def test_the_dense_routes_gather_is_bounded_for_the_memory_plan():
     from deltaflash.ops.attention.dense import MAX_DENSE_KEYS, gather_bytes
 

@@ -48,13 +48,6 @@ class SlotPool:
         self.value_cache = page_store(kv_shape, dtype, device)
         self.lengths = [0] * num_slots
 
-    def write_kv(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys / values [L, T, nkv, hd] of attention layer `layer` at storage rows [L, T]
-        (`tables.rows`; padding rows point at the sink)."""
-        flat = rows.flatten()
-        self.key_cache[layer].view(-1, *self.key_cache.shape[3:])[flat] = keys.flatten(0, 1).to(self.key_cache.dtype)
-        self.value_cache[layer].view(-1, *self.value_cache.shape[3:])[flat] = values.flatten(0, 1).to(self.value_cache.dtype)
-
     def kv_of(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [A, length, nkv, hd] of a slot's positions 0..length-1, gathered from its pages."""
         positions = torch.arange(length, device=self.key_cache.device)[None]

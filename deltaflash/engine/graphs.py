@@ -23,9 +23,9 @@ LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_ROWS = 64     # the chunked GDN kernels' chunk: prefill graph shapes are multiples of it
 PREFILL_MAX_ROWS = 2048  # longer chunks run eagerly (their host overhead is small beside their work)
 # Shapes of at least this many rows also get a graph for first chunks (every lane at position 0), whose
-# attention runs over their own rows (ops/attention/dense.py): at 2048 rows of the 9B shape that is 0.18
-# against 0.53 ms per layer in the paged kernel on the H200; at 512 rows the paged kernel costs ~0.03 ms
-# per layer (the cost goes as rows squared), too little to pay for a second graph.
+# attention runs over their own rows (ops/attention/dense.py, cuDNN's kernel in these graphs): at 2048 rows
+# of the 9B shape that is 0.09 against 0.53 ms per layer in the paged kernel; at 512 rows the paged kernel
+# costs ~0.03 ms per layer (the cost goes as rows squared), too little to pay for a second graph.
 FRESH_PREFILL_MIN_ROWS = 1024
 # A prompt's chunk after at least this many committed keys, alone in a step that decodes nothing (a long
 # prompt at an idle engine), runs eagerly: its attention then gathers the context into one dense run for

@@ -66,7 +66,7 @@ class GatedAttention(MergedProjections):
         q = kernels.rope(self.q_norm(q, kernels), *rope)
         k = kernels.rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
         v = v.unflatten(-1, (self.nkv, self.hd))
-        pool.write_kv(a_i, rows.kv_rows, k, v)
+        kernels.write_kv(pool.key_cache[a_i], pool.value_cache[a_i], rows.kv_rows, k, v)
         if rows.fresh or rows.dense_keys is not None:
             if rows.dense_keys is not None:  # this lane's committed keys and its own rows, in position order
                 k = pool.key_cache[a_i].flatten(0, 1)[rows.dense_keys]

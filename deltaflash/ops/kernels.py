@@ -40,6 +40,7 @@ class Kernels:
     rope: Callable                    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
     paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
     move_tree_rows: Callable          # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
+    write_kv: Callable                # (key_cache, value_cache, rows, keys, values): one layer's new K/V into its pages
     greedy_tree_walk: Callable        # (tree, greedy_next, depth_limit) -> (path [L, D], last [L]): greedy acceptance
     build_ranked_tree: Callable       # (log_p, tokens, anchors, budget) -> (tokens, parents, depth, rank, order): DFlash trees
     vocab_top_k: Callable             # (x [..., V] float32, k) -> (values, indices) [..., k]: best first, ties in index order
@@ -110,7 +111,7 @@ def _writing_into(fn: Callable, *out_names: str) -> Callable:
 def reference_kernels() -> Kernels:
     from deltaflash.ops.activation.naive import sigmoid_gate_ref, silu_mul_ref
     from deltaflash.ops.attention.dense import causal_block_attention
-    from deltaflash.ops.attention.naive import move_tree_rows_ref, paged_attention_ref
+    from deltaflash.ops.attention.naive import move_tree_rows_ref, paged_attention_ref, write_kv_ref
     from deltaflash.ops.conv.extend import conv_extend_heads_ref
     from deltaflash.ops.conv.naive import conv_tree_step_ref
     from deltaflash.ops.moe.naive import moe_experts_ref
@@ -140,6 +141,7 @@ def reference_kernels() -> Kernels:
         rope=apply_rope_ref,
         paged_attention=paged_attention_ref,
         move_tree_rows=move_tree_rows_ref,
+        write_kv=write_kv_ref,
         greedy_tree_walk=greedy_walk_ref,
         build_ranked_tree=build_ranked_tree_ref,
         vocab_top_k=row_top_k,
@@ -157,6 +159,7 @@ def triton_kernels() -> Kernels:
     from deltaflash.ops.activation.silu_mul import silu_mul
     from deltaflash.ops.attention.dense import causal_block_attention
     from deltaflash.ops.attention.paged import paged_attention
+    from deltaflash.ops.attention.kv_write import write_kv
     from deltaflash.ops.attention.tree_rows import move_tree_rows
     from deltaflash.ops.conv.extend import conv_extend_heads
     from deltaflash.ops.conv.tree_step import conv_tree_step
@@ -186,6 +189,7 @@ def triton_kernels() -> Kernels:
         rope=apply_rope,
         paged_attention=paged_attention,
         move_tree_rows=move_tree_rows,
+        write_kv=write_kv,
         greedy_tree_walk=greedy_walk,
         build_ranked_tree=ranked_tree,
         vocab_top_k=row_top_k,

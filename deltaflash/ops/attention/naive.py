@@ -81,6 +81,15 @@ def paged_attention_ref(q: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     return torch.where(visible.any(-1)[:, :, None, None], out.transpose(1, 2), 0)
 
 
+def write_kv_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+    """A layer's new K/V into its pages, in place: key_cache / value_cache [P+1, page, nkv, hd] (one layer
+    of the pool's); rows [L, T] storage rows (page * page_size + offset: BlockTables.rows; the sink's for
+    rows that must land nowhere); keys / values [L, T, nkv, hd], cast to the caches' dtype."""
+    for cache, new in ((key_cache, keys), (value_cache, values)):
+        cache.view(-1, *cache.shape[2:])[rows.flatten()] = new.flatten(0, 1).to(cache.dtype)
+
+
 def move_tree_rows_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                        slot_ids: torch.Tensor, start: torch.Tensor, nodes: torch.Tensor, rows: torch.Tensor) -> None:
     """A tree commit's K/V moves, in place. key_cache / value_cache [A, P+1, page, nkv, hd]; block_tables

@@ -2,12 +2,13 @@
 engine takes them:
 
 1. a first chunk's causal attention (16 query / 4 kv heads of 256) on SDPA's cuDNN backend beside the flash
-   backend the route runs today: eager, and replayed from a CUDA graph (cuDNN builds an execution plan per
-   new shape, ~8 ms of host time: a prefill graph's fixed shape would build it once, at capture);
+   backend: eager, and replayed from a CUDA graph (cuDNN builds an execution plan per new shape, ~8 ms of
+   host time: a prefill graph's fixed shape builds it once, at capture; what the route now does), and a long
+   prompt's later chunk over its gathered context (lower-right causal mask), where the route keeps flash;
 2. the SwiGLU MLP (4096 -> 2 x 12288 -> 4096) over blocks of rows, so that a block's gate / up output (rows
    x 49 KB) can stay in L2 for the activation and the down projection, beside one pass over every row.
 
-    python bench/prefill_levers.py [--tokens 1024 2048] [--mlp-blocks 2048 1024 512]
+    python bench/prefill_levers.py [--tokens 1024 2048] [--contexts 2048 6144] [--mlp-blocks 2048 1024 512]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from deltaflash.ops.activation.silu_mul import silu_mul
 
@@ -76,6 +78,33 @@ def attention(tokens: list[int]) -> None:
         print(line)
 
 
+def later_chunks(T: int, contexts: list[int]) -> None:
+    """A one-lane chunk of T rows after ctx committed keys over the gathered run of ctx + T keys (a long
+    prompt's later chunks; lower-right causal mask): the flash backend the route runs against cuDNN's."""
+    nh, nkv, hd = 16, 4, 256
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    print(f"later chunks of {T} rows over the gathered context, lower-right causal (us per call)")
+    for ctx in contexts:
+        S = ctx + T
+        q = torch.randn(1, nh, T, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(1, nkv, S, hd, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        mask = causal_lower_right(T, S)
+
+        def sdpa(backend):
+            def run():
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+            return run
+
+        line = f"  after {ctx:6d} keys: flash {time_us(sdpa(SDPBackend.FLASH_ATTENTION)):9.1f}"
+        try:
+            diff = (sdpa(SDPBackend.CUDNN_ATTENTION)().float() - sdpa(SDPBackend.FLASH_ATTENTION)().float()).abs().max()
+            line += f", cudnn {time_us(sdpa(SDPBackend.CUDNN_ATTENTION)):9.1f}; max |cudnn - flash| {diff.item():.2e}"
+        except RuntimeError as e:
+            line += f", cudnn: unavailable ({str(e).splitlines()[0][:100]})"
+        print(line)
+
+
 def mlp(tokens: int, blocks: list[int]) -> None:
     H, inter = 4096, 12288
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -104,11 +133,16 @@ def mlp(tokens: int, blocks: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
-    ap.add_argument("--mlp-blocks", type=int, nargs="+", default=[2048, 1024, 512])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[2048, 6144],
+                    help="keys before a later chunk of the largest --tokens rows")
+    ap.add_argument("--mlp-blocks", type=int, nargs="*", default=[2048, 1024, 512], help="none: skip the MLP")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     attention(args.tokens)
-    mlp(max(args.mlp_blocks), args.mlp_blocks)
+    if args.contexts:
+        later_chunks(max(args.tokens), args.contexts)
+    if args.mlp_blocks:
+        mlp(max(args.mlp_blocks), args.mlp_blocks)
 
 
 if __name__ == "__main__":

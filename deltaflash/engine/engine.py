@@ -145,7 +145,8 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         params.validate()
-        prompt_ids = list(map(int, prompt_ids))  # one pass in C, then min / max (2048 tokens: 0.10 ms, two Python loops 0.17)
+        # one pass in C, then min / max (2048 tokens on the CPU box: 0.10 ms, against 0.17 for two Python loops)
+        prompt_ids = list(map(int, prompt_ids))
         if not prompt_ids:
             raise RequestError("prompt must contain at least one token")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:

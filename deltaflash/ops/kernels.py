@@ -25,28 +25,50 @@ KERNEL_SETS = ("triton", "reference")
 
 @dataclass(frozen=True)
 class Kernels:
+    """One route's ops, by what they compute; each entry's call signature is in its comment."""
+
     name: str
-    zero_centered_rms_norm: Callable  # (x, weight, eps)
-    gated_rms_norm: Callable          # (o, z, weight, eps)
-    plain_rms_norm: Callable          # (x, weight, eps): the drafter's norms, w * rmsnorm(x)
-    add_rms_norm: Callable            # (x, y, weight, eps) -> (x + y, zero-centered norm of it): residual + next norm
-    conv_extend_heads: Callable       # (rows, conv_history, slots, weight, n_rows, nk, nv, dk) -> (q, k, v): prefill, history in place
-    conv_tree_step: Callable          # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
-    gdn_verify: Callable              # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
-    commit_state: Callable            # (recurrent_state, replay_log, conv_history, windows, plan): replay + conv commit
-    moe_experts: Callable             # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
-    silu_mul: Callable                # (gate, up) -> silu(gate) * up: SwiGLU's activation
-    sigmoid_gate: Callable            # (x, gate) [L, T, h, hd] -> x * sigmoid(gate) [L, T, h * hd]: attention's output gate
-    rope: Callable                    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
-    paged_attention: Callable         # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask, window, max_pages)
-    move_tree_rows: Callable          # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
-    write_kv: Callable                # (key_cache, value_cache, rows, keys, values): one layer's new K/V into its pages
-    greedy_tree_walk: Callable        # (tree, greedy_next, depth_limit) -> (path [L, D], last [L]): greedy acceptance
-    build_ranked_tree: Callable       # (log_p, tokens, anchors, budget) -> (tokens, parents, depth, rank, order): DFlash trees
-    vocab_top_k: Callable             # (x [..., V] float32, k) -> (values, indices) [..., k]: best first, ties in index order
-    ancestor_mask: Callable           # (parents [L, N]) -> [L, N, N] bool: m is n or an ancestor of n (tree verify rows)
-    # (q, k, v, scale, fixed_shape): causal attention of a prefill chunk that starts its sequences, over its own K/V
-    # (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
+    # (x, weight, eps)
+    zero_centered_rms_norm: Callable
+    # (o, z, weight, eps)
+    gated_rms_norm: Callable
+    # (x, weight, eps): the drafter's norms, w * rmsnorm(x)
+    plain_rms_norm: Callable
+    # (x, y, weight, eps) -> (x + y, zero-centered norm of it): the residual add and the next norm
+    add_rms_norm: Callable
+    # (rows, conv_history, slots, weight, n_rows, nk, nv, dk) -> (q, k, v): prefill, history in place
+    conv_extend_heads: Callable
+    # (rows, conv_history, slot_ids, parents, weight, *, out=, window_out=)
+    conv_tree_step: Callable
+    # (q, k, v, a, b, A_log, dt_bias, state, slot_ids, parents, *, out=, replay_log_out=, chains=)
+    gdn_verify: Callable
+    # (recurrent_state, replay_log, conv_history, windows, plan): replay + conv commit
+    commit_state: Callable
+    # (x, topk_weights, topk_ids, gate_up_proj, down_proj)
+    moe_experts: Callable
+    # (gate, up) -> silu(gate) * up: SwiGLU's activation
+    silu_mul: Callable
+    # (x, gate) [L, T, h, hd] -> x * sigmoid(gate) [L, T, h * hd]: gated attention's output gate
+    sigmoid_gate: Callable
+    # (x, cos, sin) -> x with its first rd dims rotated (partial RoPE)
+    rope: Callable
+    # (q, key_pages, value_pages, block_tables, slot_ids, context_lens, n_rows, *, scale, mode, tree_mask,
+    #  window, max_pages)
+    paged_attention: Callable
+    # (key_cache, value_cache, block_tables, slot_ids, start, nodes, rows): a tree commit's K/V moves
+    move_tree_rows: Callable
+    # (key_cache, value_cache, rows, keys, values): one layer's new K/V into its pages
+    write_kv: Callable
+    # (tree, greedy_next, depth_limit) -> (path [L, D], last [L]): greedy acceptance
+    greedy_tree_walk: Callable
+    # (log_p, tokens, anchors, budget) -> (tokens, parents, depth, rank, order): DFlash trees
+    build_ranked_tree: Callable
+    # (x [..., V] float32, k) -> (values, indices) [..., k]: best first, ties in index order
+    vocab_top_k: Callable
+    # (parents [L, N]) -> [L, N, N] bool: m is n or an ancestor of n (tree verify rows)
+    ancestor_mask: Callable
+    # (q, k, v, scale, fixed_shape): causal attention of a prefill chunk that starts its sequences, over its
+    # own K/V (ops/attention/dense.py: the same function in both sets). None: such chunks read pages as well
     # (a batch-invariant engine: the paged kernel's tiles do not follow the shape)
     prefill_attention: Callable | None = None
 

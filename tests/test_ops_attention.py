@@ -121,11 +121,12 @@ def test_other_key_tiles_match_the_reference(key_tile):
 @pytest.mark.parametrize("split_keys", [None, 64])
 def test_a_rows_bits_do_not_depend_on_the_batch(split_keys, shape):
     """Row t of a lane's verify block, the same row in a shorter block, and the same position decoded
-    alone (one row, its block's earlier keys committed) in a launch of one lane: equal to the bit, as
-    speculative == target-only greedy needs (ops/attention/paged.py: batch invariance), whichever tile
-    height each takes (`tiles`: 16 rows up to 16, else 64). Across heights, and for the row alone, only
-    on the GPU: under the interpreter numpy's BLAS rounds a product by the row's place in the tile and by
-    the tile's shape."""
+    alone (one row, its block's earlier keys committed) in a launch of one lane, and the lane's whole block
+    in a launch of its own: equal to the bit, as speculative == target-only greedy needs
+    (ops/attention/paged.py: batch invariance), whichever tile height each takes (`tiles`: 16 rows up to
+    16 or for a launch of few (lane, kv head) pairs, else 64). Across heights, and for the row or the lane
+    alone, only on the GPU: under the interpreter numpy's BLAS rounds a product by the row's place in the
+    tile and by the tile's shape."""
     T, nh, nkv, hd, dtype = shape
     rep = nh // nkv
     context = [70, 9, 131]
@@ -133,6 +134,11 @@ def test_a_rows_bits_do_not_depend_on_the_batch(split_keys, shape):
     options = dict(scale=0.125, split_keys=split_keys)
     block = paged_attention(**args, **options)
     valid = args["n_rows"].tolist()  # the last lane has fewer valid rows
+    if not INTERPRETED:
+        for i in range(len(context)):
+            one = {k: args[k][i:i + 1] for k in ("q", "slot_ids", "context_lens", "n_rows")}
+            assert tiles(hd, rows=T * rep, pairs=nkv).rows == 16 or T * rep <= 16  # the launch of one lane
+            assert torch.equal(paged_attention(**(args | one), **options)[0, :valid[i]], block[i, :valid[i]])
     for t in range(T):
         shorter = paged_attention(**(args | {"q": args["q"][:, :t + 1].contiguous(),
                                              "n_rows": args["n_rows"].clamp(max=t + 1)}), **options)

@@ -40,6 +40,13 @@ from deltaflash.ops.attention.naive import MODES
 _MODE_IDS = {name: i for i, name in enumerate(MODES)}  # causal 0, full 1, tree 2
 MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256
+# A split call of at most this many (lane, kv head) pairs takes 16-row tiles at any block height: a 64-row
+# tile gives each pair one program a split (one lane of the 9B shape: 4 programs on 132 SMs), four 16-row
+# tiles give it four, which reread the pair's key tiles from L2. H100, one 9B layer, a 16-row verify block,
+# tables of 262,144 positions (`bench attention --key-tiles 16:64:2:dotsum`): one lane 0.038 -> 0.018 ms
+# at 256 keys, 0.157 -> 0.069 at 4k, 0.212 -> 0.125 at 32k; four lanes gain to 4k and lose at 32k (0.312
+# -> 0.387), sixteen lose. A row's bits are the same at either height (`tiles`).
+FEW_PAIRS = 4
 
 
 @triton.jit
@@ -272,8 +279,9 @@ class Tile(NamedTuple):
     max_registers: int | None = None  # ptxas's cap per thread (occupancy: 65,536 per SM / (32 x warps x cap))
 
 
-def tiles(head_dim: int, split: bool = True, rows: int = 1) -> Tile:
-    """The tiles of a call of `rows` query rows per lane (T x rep).
+def tiles(head_dim: int, split: bool = True, rows: int = 1, pairs: int | None = None) -> Tile:
+    """The tiles of a call of `rows` query rows per lane (T x rep) over `pairs` (lane, kv head) pairs (None:
+    many; at most FEW_PAIRS: 16-row tiles whatever the height).
 
     Split calls (decode rows, verify blocks and trees, the drafter's block) must give a row the same bits
     whatever block it sits in (module docstring), and both heights below do: each row's products are
@@ -293,7 +301,7 @@ def tiles(head_dim: int, split: bool = True, rows: int = 1) -> Tile:
     warps = 4 if head_dim <= 128 else 8
     if not split:
         return Tile(64, BN, stages, warps)
-    if rows <= 16:
+    if rows <= 16 or (pairs is not None and pairs <= FEW_PAIRS):
         return Tile(16, BN, stages, 4, sum_by_dot=True)
     return Tile(64, BN, stages, 4, sync_mma=True, sum_by_dot=True)
 
@@ -349,7 +357,7 @@ def paged_attention_fwd(q, key_pages, value_pages, block_tables, slot_ids, conte
     nkv = key_pages.shape[2]
     rep = nh // nkv
     R = T * rep
-    tile = tiles(hd, split, R) if key_tile is None else key_tile_of(key_tile, hd, split, R)
+    tile = tiles(hd, split, R, L * nkv) if key_tile is None else key_tile_of(key_tile, hd, split, R)
     splits = triton.cdiv(block_tables.shape[1] * key_pages.shape[1], split_keys)
     BD = triton.next_power_of_2(hd)
     if splits > 1:

@@ -20,31 +20,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from deltaflash.engine.graphs import capture
 from deltaflash.ops.activation.silu_mul import silu_mul
-
-
-def time_us(fn, n: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1e3
+from prefill_attention import time_us  # (this directory: scripts here run as `python bench/...`)
 
 
 def graphed(fn):
-    """fn captured in a CUDA graph after a warm-up on a side stream: (replay, the graph's output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    """fn captured in a CUDA graph as the engine captures its own (engine/graphs.capture): (replay, the
+    graph's output)."""
+    graph, out = capture(fn, warmups=1)
     return graph.replay, out
 
 

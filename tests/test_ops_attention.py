@@ -239,6 +239,7 @@ def test_a_fixed_shape_first_chunk_on_cudnn_matches_the_flash_kernel_and_replays
     within bf16 rounding of the flash route, and a CUDA graph of it replays the eager call's bits."""
     from torch.profiler import ProfilerActivity, profile
 
+    from deltaflash.engine.graphs import capture
     from deltaflash.ops.attention.dense import causal_block_attention
 
     g = torch.Generator(device=DEVICE).manual_seed(T)
@@ -256,14 +257,7 @@ def test_a_fixed_shape_first_chunk_on_cudnn_matches_the_flash_kernel_and_replays
         lambda: causal_block_attention(q, k, v, 256 ** -0.5))
     want = causal_block_attention(q, k, v, 256 ** -0.5)
     torch.testing.assert_close(eager.float(), want.float(), atol=2e-2, rtol=2e-2)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fixed()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fixed()
+    graph, out = capture(fixed, warmups=1)  # as the engine captures its prefill graphs
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

@@ -145,7 +145,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         params.validate()
-        # one pass in C, then min / max (2048 tokens on the CPU box: 0.10 ms, against 0.17 for two Python loops)
+        # one conversion pass in C, then the range check by min / max (not two Python loops over the prompt)
         prompt_ids = list(map(int, prompt_ids))
         if not prompt_ids:
             raise RequestError("prompt must contain at least one token")

@@ -11,7 +11,7 @@ against 3.4 ms with the gather (`bench/prefill_attention.py`, docs/benchmarks.md
 
 A first chunk of a fixed shape (a prefill graph's capture and its warm-ups) runs on SDPA's cuDNN backend:
 on the H100 a 2048-row first chunk of the 9B shape takes 94 us there against 181 us in the flash kernel
-(1024 rows: 30 against 65 us, replayed from a graph; `bench/prefill_levers.py`). cuDNN builds an
+(1024 rows: 30 us replayed from a graph, 55 eager, against 65 eager; `bench/prefill_levers.py`). cuDNN builds an
 execution plan per new shape (~8 ms of host time), which a graph's shape pays once, at engine start;
 chunks of varying shapes (eager steps) keep the flash kernel, and so do later chunks over a gathered
 context, where cuDNN's lower-right causal mask costs it 1.3x the flash kernel's time (H100, 2048 rows after

@@ -8,10 +8,13 @@ launched in 3-5 us on the H200 (seventeenth session). This script looks for the 
 1. synthetic graphs of N tiny nodes - torch elementwise kernels (a straight line, with memcpy nodes, with a
    side-stream branch), Triton kernels, cuBLAS GEMMs - host microseconds per `replay()` with the device
    idle before it, and (`busy`) right behind a long device sleep, as a step's launches are;
-2. the bundled demo pair's engine graphs (speculative engine; compiling its kernels takes a fresh machine
-   about a minute): per graph and bucket, node count by type, edges, host microseconds per replay.
+2. an engine's graphs (the bundled demo pair's speculative engine, or `--shape 9b`: a target-only engine of
+   random weights at the serve defaults; compiling its kernels takes a fresh machine about a minute): per
+   graph and bucket, node count by type, edges, host microseconds per replay, and what the launch costs the
+   device: the replay's time between CUDA events with the device idle before it, less the same replay's time
+   queued behind a device sleep (its kernels alone) - the device waiting on the host's launch.
 
-    python bench/graph_launch.py [--lanes 8] [--skip-synthetic] [--skip-engine]
+    python bench/graph_launch.py [--lanes 8] [--skip-synthetic] [--skip-engine] [--shape demo|9b]
 """
 
 from __future__ import annotations
@@ -49,6 +52,23 @@ def host_us(replay, repeats: int = 60, busy: bool = False) -> float:
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return 1e6 * statistics.median(times[5:])
+
+
+def device_ms(replay, repeats: int = 10, busy: bool = False) -> float:
+    """Median milliseconds between CUDA events recorded around one replay() (busy: both queued behind a
+    device sleep, so the events time the graph's kernels alone, not its launch)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(20_000_000)  # cycles: ~10 ms, longer than any launch
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        replay()
+        after.record()
+        after.synchronize()
+        times.append(before.elapsed_time(after))
+    return statistics.median(times)
 
 
 def synthetic(kind: str, n: int) -> torch.cuda.CUDAGraph:
@@ -121,6 +141,8 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=8)
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--shape", default="demo", help="demo (the bundled pair, speculative) or 9b / 27b: a "
+                    "target-only engine of random bf16 weights of that shape at the serve defaults")
     args = ap.parse_args()
 
     if not args.skip_synthetic:
@@ -149,10 +171,18 @@ def main() -> None:
     torch.cuda.CUDAGraph = Recorded
     from deltaflash.engine.engine import Engine
 
-    demo = Path(deltaflash.__file__).parent / "assets" / "demo"
-    engine = Engine.from_pretrained(demo / "target", demo / "draft", device="cuda", progress=False)
+    if args.shape == "demo":
+        demo = Path(deltaflash.__file__).parent / "assets" / "demo"
+        engine = Engine.from_pretrained(demo / "target", demo / "draft", device="cuda", progress=False)
+    else:
+        from deltaflash.engine.config import EngineConfig
+        from deltaflash.models.random_init import SHAPES, random_model
+
+        engine = Engine(random_model(SHAPES[args.shape](), torch.bfloat16, "cuda"), None, None, EngineConfig())
     torch.cuda.CUDAGraph = plain
-    print(f"demo pair, speculative engine: {len(made)} graphs captured")
+    print(f"{args.shape}, {'target-only' if engine.runner.source is None else 'speculative'} engine: {len(made)} "
+          f"graphs captured; device ms per replay: idle before it / queued behind a sleep (= its kernels) / the "
+          f"difference (the device waiting on the launch)")
     owners = {}
     for fn in engine.runner.graphs.functions:
         for bucket, (graph, _) in fn.graphs.items():
@@ -162,8 +192,10 @@ def main() -> None:
         if bucket not in (0, args.lanes) and not name.startswith("prefill"):
             continue
         nodes, types, edges = graph_shape(graph)
+        idle, kernels = device_ms(graph.replay), device_ms(graph.replay, busy=True)
         print(f"  {name:28s} bucket {bucket:3d}: {nodes:4d} nodes {dict(types)} edges {edges:4d}  host "
-              f"{host_us(graph.replay):8.1f} / {host_us(graph.replay, busy=True):8.1f} us (idle / busy)", flush=True)
+              f"{host_us(graph.replay, 15):8.1f} / {host_us(graph.replay, 15, busy=True):8.1f} us (idle / busy); device "
+              f"{idle:.3f} / {kernels:.3f} / {idle - kernels:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

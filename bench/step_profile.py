@@ -207,6 +207,10 @@ def ttft_profile(engine, args) -> None:
         print(f"    {e.self_cpu_time_total / 10:8.1f}  {e.count / 10:6.1f}  {e.key[:90]}")
     if args.stacks:
         launch_stacks(lambda: [first_token(i) for i in range(2)], args.stacks, 2, args.rows)
+    if args.split:
+        count = iter(range(10**6))
+        split_profile(engine, lambda: first_token(next(count) % len(prompts)), args.steps,
+                      ("add_request", "runner._prefill", "runner._prefill_replay"))
     import cProfile
     import pstats
     with cProfile.Profile() as py:
@@ -218,14 +222,15 @@ def ttft_profile(engine, args) -> None:
     pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
 
 
-def split_profile(engine, step, steps: int) -> None:
+def split_profile(engine, step, steps: int, extra: tuple[str, ...] = ()) -> None:
     """Inclusive wall time per step of the step's parts (no profiler: each part wrapped in a timer), for
     the parts this tree has: what of a host-bound step is scheduling, launching, reading, committing,
-    emitting. Parts nest (the runner's execute holds the round and the commit)."""
+    emitting. Parts nest (the runner's execute holds the round and the commit). `extra`: more of the
+    engine's attributes to time."""
     import importlib
 
     parts = ("scheduler.schedule", "runner.execute", "runner.map_pages", "runner._round", "runner.verify",
-             "runner._commit", "_apply", "runner.idle_clock.begin", "runner.idle_clock.end")
+             "runner._commit", "_apply", "runner.idle_clock.begin", "runner.idle_clock.end", *extra)
     module_parts = {"deltaflash.engine.runner": ("read_emitted", "accept", "commit", "to_device", "CommitPlan.chain",
                                                  "LaneSampling.build"),
                     "deltaflash.engine.graphs": ("LaneGraphs.run",), "deltaflash.cache.commit": ("validate_plan",)}
@@ -248,7 +253,7 @@ def split_profile(engine, step, steps: int) -> None:
         setattr(owner, name, timed)
         return owner, name, fn
 
-    undo = [wrap(engine, path, path) for path in parts]
+    undo = [wrap(engine, path, path) for path in parts] + [wrap(torch.cuda, "CUDAGraph.replay", "CUDAGraph.replay")]
     for name, paths in module_parts.items():
         try:
             module = importlib.import_module(name)
@@ -279,7 +284,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=18, help="profiler table rows")
     ap.add_argument("--python", action="store_true", help="also the Python functions by own time (cProfile)")
     ap.add_argument("--split", action="store_true",
-                    help="also the step's parts (scheduling, launches, the read, commit, emitting) by wall time")
+                    help="also the step's parts (scheduling, launches, the read, commit, emitting) by wall time "
+                         "(with --ttft: a first token's)")
     ap.add_argument("--slowest", type=int, default=5, help="list the N slowest steps with what they did")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up, as a server would")
     ap.add_argument("--round-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -82,3 +82,33 @@ def test_an_engine_runs_its_products_batch_invariant():
         assert any(isinstance(m, RoutedLinear) and m.product is invariant_linear for m in model.modules())
         assert model.linear is invariant_linear and model.layers[0].mlp.linear is invariant_linear
         assert [c.token_ids for c in spec.generate(batch, params)[0]] == want
+
+
+def _swiglu_bench():
+    """bench/swiglu_gemm.py (a measured lever kept as a script, not a package module)."""
+    import importlib.util
+    import sys
+
+    if "swiglu_gemm_bench" not in sys.modules:  # (its dataclass looks its module up there)
+        path = Path(__file__).parents[1] / "bench" / "swiglu_gemm.py"
+        spec = importlib.util.spec_from_file_location("swiglu_gemm_bench", path)
+        sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules["swiglu_gemm_bench"]
+
+
+@pytest.mark.parametrize("M", [1, 40, 96])
+def test_bench_swiglu_gemm_matches_the_unfused_route(M):
+    from deltaflash.ops.activation.naive import silu_mul_ref
+
+    bench = _swiglu_bench()
+    x, w, _ = operands(M, 64, 128, HALF, False)
+    tile = bench.SwigluTile(BM=32, BN=32, BK=32, warps=4, stages=2, group_m=2)
+    got = bench.swiglu_gemm(x, w, tile)
+    gate, up = F.linear(x.float(), w.float()).to(HALF).split(64, dim=-1)
+    assert got.shape == (M, 64)
+    torch.testing.assert_close(got.float(), silu_mul_ref(gate, up).float(), rtol=2e-2, atol=2e-2)
+    persistent = bench.swiglu_gemm(x, w, bench.dataclasses.replace(tile, persistent=True))
+    assert torch.equal(persistent, got)  # the same tiles, walked by fewer programs
+    with pytest.raises(ValueError, match="multiple of BN"):
+        bench.swiglu_gemm(x, w[:96], tile)

@@ -117,3 +117,6 @@ class EagerGraph:
     def run(self, *inputs):
         self.calls += 1
         return self.fn(*inputs)
+
+    def run_host(self, *inputs):
+        return self.run(*(torch.from_numpy(x).to(DEVICE) for x in inputs))

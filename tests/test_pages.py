@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from deltaflash.cache.pages import PageAllocator
+from deltaflash.cache.pages import BlockTables, PageAllocator
 from deltaflash.core.request import SamplingParams
 from deltaflash.errors import DeltaflashError, PagesExhaustedError, RequestError
 from deltaflash.ops.attention.paged import paged_attention_kernel
@@ -49,6 +49,23 @@ def test_allocator_takes_and_gives_back_pages():
     assert pages.num_free == 2 and pages.held[1] == []  # nothing taken by the refused call
     assert pages.release(0) == 3 and pages.num_free == 5
     assert [page for _, _, page in pages.grow(1, 20)] == [0, 1, 2, 3, 4]  # given-back pages first, then fresh
+
+
+def test_block_tables_release_then_grant_in_one_update():
+    tables = BlockTables(3, 16, 4, DEVICE, num_pages=12)
+    sink = tables.sink_page
+    tables.map([(0, 0, 5), (0, 1, 6), (1, 0, 7), (1, 3, 2)])
+    # slot 0 released and granted again in the same plan (a retired sequence's slot reused): sink first
+    tables.update([0, 2], [(0, 1, 9), (2, 0, 11), (2, 2, 3)])
+    want = torch.full((4, 4), sink, dtype=torch.int32)
+    want[0, 1], want[1, 0], want[1, 3], want[2, 0], want[2, 2] = 9, 7, 2, 11, 3
+    assert torch.equal(tables.tables.cpu(), want)
+    tables.update([], [])  # nothing to do: no transfer
+    tables.unmap([1])
+    want[1] = sink
+    assert torch.equal(tables.tables.cpu(), want)
+    with pytest.raises(ValueError, match="static"):
+        BlockTables(2, 16, 4, DEVICE).map([(0, 0, 1)])
 
 
 def test_pages_smaller_than_the_block_and_the_prefill_chunk_keep_greedy_exact(pair):

@@ -54,7 +54,7 @@ class Replays:
         assert runner.prefill_graphs, "the engine has no prefill graphs"
         for fresh, table in ((False, runner.prefill_graphs), (True, runner.fresh_prefill_graphs)):
             for T, graphs in table.items():
-                graphs.run = self._recording(graphs.run, T, fresh)
+                graphs.run_host = self._recording(graphs.run_host, T, fresh)
 
     def _recording(self, run, T, fresh):
         def wrapped(*inputs):
@@ -69,8 +69,8 @@ class _Eager:
     def __init__(self, fn, T: int, lanes: int):
         self.fn, self.buckets = fn, prefill_lane_buckets(T, lanes)  # the runner's buckets on CUDA
 
-    def run(self, *inputs):
-        return (self.fn(*inputs),)
+    def run_host(self, *inputs):
+        return (self.fn(*(torch.from_numpy(x).to(DEVICE) for x in inputs)),)
 
 
 def second_arrives_while_first_decodes(engine, batch, params, one_step=False) -> list[list[int]]:
@@ -410,3 +410,45 @@ def test_the_eager_step_cost_is_measured_at_start_and_leaves_slot_zero_clean(pai
     assert graphed.scheduler.eager_prefill_rows > 0 and plain.scheduler.eager_prefill_rows == 0
     assert [d.token_ids for d in graphed.generate(prompt, params)[0]] == \
         [d.token_ids for d in plain.generate(prompt, params)[0]]
+
+
+def test_run_host_fills_each_input_section_of_the_flat_buffer(monkeypatch):
+    """LaneGraphs.run_host (one transfer into the flat static buffer) hands each bucket's graph the host
+    arrays' lanes, input by input, padded to the bucket, whatever the lanes past the bucket hold; inputs
+    of mixed dtypes keep a buffer each and cannot take it. (A stand-in capture on the CPU: the 'graph' runs the function on the
+    static views it was captured on, as a replay reads them.)"""
+    import numpy as np
+
+    from deltaflash.engine import graphs as graphs_module
+
+    class Replay:
+        def __init__(self, fn):
+            self.fn, self.out = fn, None
+
+        def replay(self):
+            self.out.copy_(self.fn())
+
+    def stand_in(fn, pool=None):
+        graph = Replay(fn)
+        graph.out = fn().clone()
+        return graph, graph.out
+
+    monkeypatch.setattr(graphs_module, "capture", stand_in)
+    # ids [lanes, 3] and a per-lane value: the function reads the ids plus 10 x the value, lane by lane
+    graphs = graphs_module.LaneGraphs("t", lambda ids, v: ids + 10 * v[:, None], [((3,), torch.long, 0),
+                                      ((), torch.long, -1)], (1, 2, 4), "cpu", None)
+    for bucket in (1, 2, 4):
+        graphs.capture(bucket)
+    (out,) = graphs.run_host(np.arange(12).reshape(4, 3), np.array([1, 2, 3, 4]))
+    assert out.tolist() == [[10, 11, 12], [23, 24, 25], [36, 37, 38], [49, 50, 51]]
+    (out,) = graphs.run_host(np.array([[7, 8, 9], [1, 1, 1]]), np.array([0, 5]))  # lanes 2, 3 keep stale values
+    assert out.tolist() == [[7, 8, 9], [51, 51, 51]]
+    (out,) = graphs.run_host(np.array([[1, 2, 3]] * 3), np.array([1, 2, 3]))  # bucket 4, lane 3 padded
+    assert out.tolist() == [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    assert graphs.static[0][3].tolist() == [0, 0, 0] and graphs.static[1][3].item() == -1
+    assert graphs.run_host(np.zeros((5, 3), dtype=np.int64), np.zeros(5, dtype=np.int64)) is None  # no bucket
+    mixed = graphs_module.LaneGraphs("m", lambda a, b: a, [((), torch.long, 0), ((), torch.float32, 0.0)], (1,),
+                                     "cpu", None)
+    assert mixed.flat is None
+    with pytest.raises(ValueError, match="one dtype"):
+        mixed.run_host(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float32))

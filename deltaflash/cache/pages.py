@@ -115,18 +115,31 @@ class BlockTables:
         return self.max_pages * self.page_size
 
     def map(self, grants: Sequence[tuple[int, int, int]]) -> None:
-        """Write (slot, table index, page) entries: one host -> device transfer, no sync."""
-        if self.static:
-            raise ValueError("static block tables are not mapped")
-        if grants:
-            slot, index, page = to_device(list(zip(*grants)), self.tables.device).unbind(0)
-            self.tables[slot, index] = page.int()
+        """Write (slot, table index, page) entries (`update` without releases)."""
+        self.update((), grants)
 
     def unmap(self, slots: Sequence[int]) -> None:
-        """Point every entry of `slots` at the sink (their pages were given back): no stale entry of a
-        reused slot can reach a page that another sequence holds now. No sync."""
-        if slots and not self.static:
-            self.tables[to_device(list(slots), self.tables.device)] = self.sink_page
+        """Point every entry of `slots` at the sink (`update` without grants)."""
+        self.update(slots, ())
+
+    def update(self, released: Sequence[int], grants: Sequence[tuple[int, int, int]]) -> None:
+        """Point every entry of the `released` slots at the sink (their pages were given back: no stale
+        entry of a reused slot can reach a page that another sequence holds now), then write the (slot,
+        table index, page) `grants`. One host -> device transfer (the flat entry indices and the pages
+        side by side in one byte buffer) and a kernel for each part; no sync."""
+        if not released and not grants:
+            return
+        if self.static:
+            raise ValueError("static block tables are not mapped")
+        entries = np.asarray(grants, dtype=np.int64).reshape(-1, 3)
+        index = np.concatenate([np.asarray(released, dtype=np.int64), entries[:, 0] * self.max_pages + entries[:, 1]])
+        payload = np.concatenate([index.view(np.uint8), entries[:, 2].astype(np.int32).view(np.uint8)])
+        data = to_device(payload, self.tables.device, dtype=torch.uint8)
+        index = data[:8 * len(index)].view(torch.int64)
+        if len(released):
+            self.tables.index_fill_(0, index[:len(released)], self.sink_page)
+        if len(entries):
+            self.tables.view(-1).index_copy_(0, index[len(released):], data[8 * len(index):].view(torch.int32))
 
     def rows(self, slot_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Storage rows (page * page_size + offset) of positions [L, T] of lanes slot_ids [L]; the sink's

@@ -29,7 +29,8 @@ def to_device(values: Sequence | torch.Tensor, device, dtype: torch.dtype = torc
     return PinnedStaging.of(device).copy(array, dtype, device)
 
 
-_NUMPY_TYPES = {torch.long: np.int64, torch.float32: np.float32, torch.int32: np.int32, torch.bool: np.bool_}
+_NUMPY_TYPES = {torch.long: np.int64, torch.float32: np.float32, torch.int32: np.int32, torch.bool: np.bool_,
+                torch.uint8: np.uint8}
 
 
 class PinnedStaging:
@@ -58,9 +59,15 @@ class PinnedStaging:
         self.left: list[torch.cuda.Event | None] = [None, None]  # per half: recorded when the ring left it
 
     def copy(self, array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.stage(array, dtype).to(device, non_blocking=True)
+
+    def stage(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`array` in pinned host memory, as a tensor of `dtype` (default: the array's), for one
+        asynchronous copy to the device queued before anything else writes the ring."""
+        dtype = dtype or torch.from_numpy(array[:0]).dtype
         n = array.nbytes
         if n > self.HALF_BYTES or n == 0 or torch.cuda.is_current_stream_capturing():
-            return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+            return torch.from_numpy(array).pin_memory().view(dtype)
         start = -(-self.offset // 16) * 16  # aligned for any element type
         if start + n > (self.half + 1) * self.HALF_BYTES:  # on into the other half
             event = torch.cuda.Event()
@@ -72,7 +79,7 @@ class PinnedStaging:
             start = self.half * self.HALF_BYTES
         self.bytes[start:start + n] = array.reshape(-1).view(np.uint8)
         self.offset = start + n
-        return self.buffer[start:start + n].view(dtype).view(array.shape).to(device, non_blocking=True)
+        return self.buffer[start:start + n].view(dtype).view(array.shape)
 
 
 @dataclass(frozen=True)

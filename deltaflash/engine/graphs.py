@@ -7,17 +7,23 @@ lanes copies the inputs into the static buffers, fills lanes L..b-1 with each in
 (slot id -1: padding lanes read zeros and write only to sinks), replays bucket b = the smallest
 bucket >= L and returns the outputs' first L lanes. Every graph lives in one memory pool; buckets are
 captured largest first, so the smaller graphs reuse its memory. A call with more lanes than the
-largest bucket returns None: the caller runs the function eagerly.
+largest bucket returns None: the caller runs the function eagerly. A function whose inputs share one
+dtype has them as sections of one flat buffer, which `run_host` fills from host arrays in a single
+transfer (no device tensors made first, no copies between them).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import math
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
+
+from deltaflash.core.batch import PinnedStaging
 
 LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_ROWS = 64     # the chunked GDN kernels' chunk: prefill graph shapes are multiples of it
@@ -152,8 +158,15 @@ class LaneGraphs:
     def __init__(self, name: str, fn: Callable, inputs: Sequence[tuple], buckets: tuple[int, ...], device, pool):
         self.name, self.fn, self.buckets, self.pool = name, fn, buckets, pool
         self.pads = tuple(pad for _, _, pad in inputs)
-        self.static = tuple(torch.full((buckets[-1], *shape), pad, dtype=dtype, device=device)
-                            for shape, dtype, pad in inputs)
+        self.flat = None  # inputs of one dtype: their static buffers are sections of this one
+        if len({dtype for _, dtype, _ in inputs}) == 1:
+            sizes = [buckets[-1] * math.prod(shape) for shape, _, _ in inputs]
+            self.flat = torch.empty(sum(sizes), dtype=inputs[0][1], device=device)
+            self.static = tuple(part.view(buckets[-1], *shape).fill_(pad)
+                                for part, (shape, _, pad) in zip(self.flat.split(sizes), inputs))
+        else:
+            self.static = tuple(torch.full((buckets[-1], *shape), pad, dtype=dtype, device=device)
+                                for shape, dtype, pad in inputs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
 
     def capture(self, bucket: int) -> None:
@@ -170,6 +183,30 @@ class LaneGraphs:
             buffer[:L].copy_(x)
             if L < bucket:
                 buffer[L:bucket].fill_(pad)
+        graph.replay()
+        return tuple(None if o is None else o[:L] for o in out)
+
+    def run_host(self, *inputs: np.ndarray) -> tuple | None:
+        """`run` from host arrays, each [L, *per-lane shape]: one host -> device transfer of the flat
+        static buffer (lanes L..b-1 padded on the host; lanes past bucket b carry whatever the host array
+        held: b's graph reads none of them). Inputs of one dtype only. Returns the outputs' first L lanes
+        (views of the graph's own: read them before the next call), or None when L exceeds every bucket."""
+        if self.flat is None:
+            raise ValueError(f"{self.name}: run_host takes inputs of one dtype")
+        L = len(inputs[0])
+        bucket = next((b for b in self.buckets if b >= L), None)
+        if bucket is None:
+            return None
+        host = np.empty(self.flat.numel(), dtype=inputs[0].dtype)
+        offset = 0
+        for x, static, pad in zip(inputs, self.static, self.pads):
+            section = host[offset:offset + static.numel()].reshape(static.shape)
+            section[:L] = x
+            section[L:bucket] = pad
+            offset += static.numel()
+        staged = PinnedStaging.of(self.flat.device).stage(host) if self.flat.is_cuda else torch.from_numpy(host)
+        self.flat.copy_(staged, non_blocking=True)
+        graph, out = self.graphs[bucket]
         graph.replay()
         return tuple(None if o is None else o[:L] for o in out)
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -77,9 +78,9 @@ class StepResult:
 class _Round:
     """A round's device work up to acceptance (before the host reads anything)."""
 
-    slot_ids: Tensor
-    start: Tensor
-    out: VerifyOutput | None  # None: a greedy round's graph (committed inside it)
+    slot_ids: Tensor | None  # None (and start): a greedy round's graph (committed inside it)
+    start: Tensor | None
+    out: VerifyOutput | None  # None: a greedy round's graph
     accepted: Accepted
     tree: DraftTree | None = None
     committed: bool = False  # its rows were committed before the read (chains); the lengths are recorded after it
@@ -365,8 +366,7 @@ class ModelRunner:
     @torch.inference_mode()
     def map_pages(self, plan: StepPlan) -> None:
         """The plan's page changes on the device: released slots' entries to the sink, then the grants."""
-        self.pool.tables.unmap(plan.released)
-        self.pool.tables.map(plan.pages)
+        self.pool.tables.update(plan.released, plan.pages)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, overlap: Callable[[], None] | None = None, follows: bool = False) -> StepResult:
@@ -473,12 +473,12 @@ class ModelRunner:
         if spare is None:
             return None
         pad = lanes - L
-        ids = [t for c in chunks for t in (*c.tokens, *[0] * (shape - len(c.tokens)))] + [0] * (pad * shape)
-        per_lane = (slots + [-1] * pad, [c.start for c in chunks] + [0] * pad,
-                    [len(c.tokens) for c in chunks] + [0] * pad, slots + [spare] * pad)
-        flat = to_device(ids + [v for column in per_lane for v in column], self.device)  # one transfer
-        input_ids, slot_ids, start, n_rows, state_slots = flat.split([lanes * shape, lanes, lanes, lanes, lanes])
-        (logits,) = graphs.run(input_ids.view(lanes, shape), slot_ids, start, n_rows, state_slots)
+        ids = np.zeros((lanes, shape), dtype=np.int64)
+        for row, c in zip(ids, chunks):
+            row[:len(c.tokens)] = c.tokens
+        per_lane = np.array([slots + [-1] * pad, [c.start for c in chunks] + [0] * pad,
+                             [len(c.tokens) for c in chunks] + [0] * pad, slots + [spare] * pad], dtype=np.int64)
+        (logits,) = graphs.run_host(ids, *per_lane)  # one transfer into the graph's inputs
         for c in chunks:  # what extend records from a batch's host mirrors
             self.pool.lengths[c.seq.slot] = c.start + len(c.tokens)
         return logits[:L], lanes * shape
@@ -495,17 +495,20 @@ class ModelRunner:
             most = [n + 1 for n in limits] if graphs is not None else (1,) * len(slots)
             check_chains(self.pool, slots, most, starts, W if graphs is not None else 1)
         budgets = [min(s.params.tree_budget or W, W) for s in seqs]
-        lanes = to_device([slots, starts, [s.pending for s in seqs], limits, budgets], self.device)
+        anchors = [s.pending for s in seqs]
+        if graphs is not None:  # a greedy round's graph (committed inside it): its inputs in one transfer
+            trees = plan.tree_budget and W > 1
+            inputs = (anchors, slots, starts, limits, budgets) if trees else (anchors, slots, starts, limits)
+            out = graphs.run_host(*(np.asarray(x, dtype=np.int64) for x in inputs))
+            if out is not None:
+                marks = [self._now()] * 2  # (one launch: the draft phase holds it, the verify phase is empty)
+                accepted = Accepted(counts=out[0], tokens=out[1], path=out[2] if trees else None)
+                return _Round(None, None, None, accepted, committed=True), marks
+        lanes = to_device([slots, starts, anchors, limits, budgets], self.device)
         slot_ids, start, anchors, n_draft, budget = lanes  # one transfer, five [L] rows
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
         if plan.tree_budget and W > 1:
-            out = graphs.run(anchors, slot_ids, start, n_draft, budget) if graphs is not None else None
-            if out is not None:  # a greedy tree round's graph: committed inside it
-                marks = [self._now()] * 2
-                counts, tokens, path = out
-                return _Round(slot_ids, start, None, Accepted(counts=counts, tokens=tokens, path=path),
-                              committed=True), marks
             tree = self.source.draft_tree(seqs, slot_ids, anchors, start, W, self.config.tree_top_k).cut(budget)
             marks = [self._now()]
             out = self.verify(tree.tokens, slot_ids, start, max(starts) + W, tree)
@@ -522,12 +525,6 @@ class ModelRunner:
                                [n + 1 for n in limits], W)
             self._append_round_rows(slot_ids, start, path_rows(out.taps, accepted.path), rows)
             return _Round(slot_ids, start, out, accepted, tree, committed=True), marks
-        if graphs is not None:
-            out = graphs.run(anchors, slot_ids, start, n_draft)
-            if out is not None:
-                marks = [self._now()] * 2  # (one launch: the draft phase holds it, the verify phase is empty)
-                counts, tokens = out
-                return _Round(slot_ids, start, None, Accepted(counts=counts, tokens=tokens), committed=True), marks
         drafts, draft_q = anchors[:, None][:, :0], None
         if W > 1:  # the block's W - 1 drafts, of which a narrower round verifies the first ones
             drafts, draft_q = self.source.draft(seqs, slot_ids, anchors, start, sampling)

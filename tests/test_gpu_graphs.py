@@ -325,8 +325,8 @@ def test_greedy_round_graphs_are_lossless_and_replace_the_round_s_launches(tmp_p
     assert set(runner.round_graphs) == set(runner.widths[1:]) and runner.round_graphs
     replays = []
     for graphs in runner.round_graphs.values():
-        real = graphs.run
-        monkeypatch.setattr(graphs, "run", lambda *a, _real=real: (replays.append(1), _real(*a))[1])
+        real = graphs.run_host
+        monkeypatch.setattr(graphs, "run_host", lambda *a, _real=real: (replays.append(1), _real(*a))[1])
     monkeypatch.setattr(runner, "_commit", lambda *a, **k: pytest.fail("a round committed after its read"))
     got = engine.generate(prompts, params)[0]
     assert [c.token_ids for c in got] == expected and replays
@@ -349,8 +349,8 @@ def test_greedy_tree_round_graphs_are_lossless_and_replace_the_round_s_launches(
     runner = engine.runner
     assert set(runner.round_graphs) == {("tree", 8)}
     replays, graphs = [], runner.round_graphs[("tree", 8)]
-    real = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda *a: (replays.append(1), real(*a))[1])
+    real = graphs.run_host
+    monkeypatch.setattr(graphs, "run_host", lambda *a: (replays.append(1), real(*a))[1])
     monkeypatch.setattr(runner, "_commit", lambda *a, **k: pytest.fail("a round committed after its read"))
     got = engine.generate(prompts, params)[0]
     assert [c.token_ids for c in got] == expected and replays

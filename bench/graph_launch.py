@@ -14,7 +14,12 @@ launched in 3-5 us on the H200 (seventeenth session). This script looks for the 
    device: the replay's time between CUDA events with the device idle before it, less the same replay's time
    queued behind a device sleep (its kernels alone) - the device waiting on the host's launch.
 
+3. `--gemms ROWS...`: each of the 9B shape's prefill GEMMs (cuBLAS through F.linear) captured alone at
+   those row counts: its graph's nodes by type (cuBLAS adds memset nodes for some kernels) and the
+   replay's device time.
+
     python bench/graph_launch.py [--lanes 8] [--skip-synthetic] [--skip-engine] [--shape demo|9b]
+                                 [--gemms 512 2048]
 """
 
 from __future__ import annotations
@@ -136,15 +141,47 @@ def graph_shape(graph: torch.cuda.CUDAGraph) -> tuple[int, collections.Counter, 
     return count.value, types, edges.value
 
 
+# (out, in) of the 9B shape's prefill GEMMs: GDN in_proj (qkv, z, b, a merged), GDN out_proj, attention
+# q (with its gate) / k / v merged, o_proj, MLP gate / up merged, down_proj
+GEMMS_9B = {"gdn in": (8192 + 4096 + 64, 4096), "gdn out": (4096, 4096), "attn qkv": (8192 + 2048, 4096),
+            "attn o": (4096, 4096), "mlp gate/up": (2 * 12288, 4096), "mlp down": (4096, 12288)}
+
+
+def gemm_graphs(rows: list[int]) -> None:
+    print(f"9b prefill GEMMs (bf16, F.linear), each captured alone: nodes by type, device ms per replay "
+          f"(allow_bf16_reduced_precision_reduction {torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction})")
+    for M in rows:
+        for name, (N, K) in GEMMS_9B.items():
+            x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+            w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
+            out = torch.nn.functional.linear(x, w)
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph):
+                out = torch.nn.functional.linear(x, w)
+            graph.instantiate()
+            nodes, types, _ = graph_shape(graph)
+            print(f"  rows {M:5d} {name:12s} {N:6d} x {K:5d}: {dict(types)}  {device_ms(graph.replay, busy=True):.3f} ms"
+                  f"  host {host_us(graph.replay, 15):.1f} us", flush=True)
+            del out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=8)
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--gemms", type=int, nargs="*", default=[], metavar="ROWS",
+                    help="the 9B shape's prefill GEMMs at these row counts, each captured alone (then exit)")
+    ap.add_argument("--no-reduced-precision", action="store_true",
+                    help="with --gemms: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False")
     ap.add_argument("--shape", default="demo", help="demo (the bundled pair, speculative) or 9b / 27b: a "
                     "target-only engine of random bf16 weights of that shape at the serve defaults")
     args = ap.parse_args()
 
+    if args.gemms:
+        if args.no_reduced_precision:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        return gemm_graphs(args.gemms)
     if not args.skip_synthetic:
         print("synthetic graphs: host us per replay, device idle / busy before it; node types, edges", flush=True)
         for kind in ("line", "memcpy", "branch", "triton", "gemm"):

@@ -8,7 +8,8 @@
 # Steps: tests spec target tune tunebuild tuneconv skinny skinnyround kernels round profile demo first e2etau e2edemo e2epair attention paged longctx
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
-# treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks (tp: the 27B shape's round at TP 1 and
+# treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks graphlaunch9b gemmgraphs swiglu
+# (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
 # TUNE_ARGS replaces tune_verify.py's lanes / configs, BUILD_SETS the tunebuild option sets (comma-joined flags,
@@ -140,6 +141,9 @@ for step in "$@"; do
                              --json "$OUT/long-$ctx-unwritten.json"
                      done ;;
         graphlaunch) run graphlaunch 150 python3 bench/graph_launch.py --lanes 8 ;;  # host cost of graph launches
+        graphlaunch9b) run graphlaunch9b 250 python3 bench/graph_launch.py --shape 9b --lanes 1 --skip-synthetic ;;
+        gemmgraphs) run gemmgraphs 90 python3 bench/graph_launch.py --gemms 512 2048 ;;  # cuBLAS's memset nodes
+        swiglu) run swiglu 200 python3 bench/swiglu_gemm.py ;;  # the fused SwiGLU GEMM against cuBLAS + silu_mul
         roundgraphs) for flag in --no-round-graphs --round-graphs; do  # a speculative step with greedy round graphs and without
                          run roundgraphs 90 python3 bench/step_profile.py --lanes 8 --steps 60 $flag
                      done ;;

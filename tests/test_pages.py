@@ -49,6 +49,8 @@ def test_allocator_takes_and_gives_back_pages():
     assert pages.num_free == 2 and pages.held[1] == []  # nothing taken by the refused call
     assert pages.release(0) == 3 and pages.num_free == 5
     assert [page for _, _, page in pages.grow(1, 20)] == [0, 1, 2, 3, 4]  # given-back pages first, then fresh
+    assert pages.release(1) == 5 and pages.grow(0, 5) == [(0, 0, 0), (0, 1, 1)]  # the last given back first
+    assert pages.grow(1, 4) == [(1, 0, 2)] and pages.num_free == 2 and pages.held == [[0, 1], [2]]
 
 
 def test_block_tables_release_then_grant_in_one_update():

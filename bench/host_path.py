@@ -1,0 +1,81 @@
+"""The host's own cost of a first token, on any machine: an engine of the tiny "toy" shape on the CPU whose
+prefill graphs are stand-ins that return at once (logits of zeros), so what is timed is the engine's Python
+and its small tensor work from add_request to the first token - scheduling, pages, the graph's inputs,
+acceptance, emission - without the model. The GPU's own host figures (step_profile.py --ttft --split) swing
+2x between runs on the lent machines; this one resolves tens of microseconds, side by side with an older tree:
+
+    python bench/host_path.py [--tokens 256 2048] [--requests 200]
+    (cd old-tree && PYTHONPATH=$PWD python ../bench/host_path.py)
+
+CUDA calls cost more than their CPU counterparts (a transfer, a launch): what moves here is the Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import deltaflash
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
+from deltaflash.engine.graphs import prefill_graph_buckets
+from deltaflash.models.random_init import SHAPES, random_model
+
+try:
+    from deltaflash.core.request import SamplingParams
+except ImportError:  # trees before the core/ package
+    from deltaflash.engine.request import SamplingParams
+
+
+class StandIn:
+    """A prefill graph of T rows that replays at once: logits of zeros for each lane."""
+
+    def __init__(self, buckets: tuple[int, ...], vocab: int):
+        self.buckets = buckets
+        self.logits = torch.zeros(buckets[-1], vocab)
+
+    def run_host(self, *inputs):
+        return (self.logits[:len(inputs[0])],)
+
+    def run(self, *inputs):  # (trees before run_host)
+        return (self.logits[:inputs[0].shape[0]],)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
+    ap.add_argument("--requests", type=int, default=200)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(SHAPES["toy"](num_layers=2), max_position_embeddings=8192)
+    engine = Engine(random_model(cfg, torch.float32, "cpu"), None, None,
+                    EngineConfig(max_slots=8, max_model_len=4096, kv_cache_memory=64 << 20))
+    runner, config = engine.runner, engine.config
+    buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots, config.max_model_len,
+                                    config.idle_prefill_tokens)
+    runner.prefill_graphs = {T: StandIn(lanes, cfg.vocab_size) for T, lanes in buckets.items()}
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_graphs=True)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    print(f"{deltaflash.__file__}: host time from add_request to the first token, toy shape on the CPU, "
+          f"prefill graphs standing in (us, {args.requests} requests per length)")
+    for n in args.tokens:
+        prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for _ in range(16)]
+        times = []
+        for i in range(args.requests + 20):
+            t0 = time.perf_counter()
+            engine.add_request(prompts[i % len(prompts)], params)
+            while engine.has_work():
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        times = times[20:]
+        print(f"  {n:5d} tokens: p50 {1e6 * statistics.median(times):7.1f}  min {1e6 * min(times):7.1f}")
+
+
+if __name__ == "__main__":
+    main()

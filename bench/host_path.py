@@ -36,21 +36,24 @@ class StandIn:
     """A prefill graph of T rows that replays at once: logits of zeros for each lane."""
 
     def __init__(self, buckets: tuple[int, ...], vocab: int):
-        self.buckets = buckets
+        self.buckets, self.calls = buckets, 0
         self.logits = torch.zeros(buckets[-1], vocab)
 
     def run_host(self, *inputs):
+        self.calls += 1
         return (self.logits[:len(inputs[0])],)
 
     def run(self, *inputs):  # (trees before run_host)
+        self.calls += 1
         return (self.logits[:inputs[0].shape[0]],)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[int, float]:
+    """Prints, and returns, the p50 seconds per prompt length."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     ap.add_argument("--requests", type=int, default=200)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     cfg = dataclasses.replace(SHAPES["toy"](num_layers=2), max_position_embeddings=8192)
     engine = Engine(random_model(cfg, torch.float32, "cpu"), None, None,
@@ -64,17 +67,22 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{deltaflash.__file__}: host time from add_request to the first token, toy shape on the CPU, "
           f"prefill graphs standing in (us, {args.requests} requests per length)")
+    p50 = {}
     for n in args.tokens:
         prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for _ in range(16)]
-        times = []
+        times, replays = [], sum(g.calls for g in runner.prefill_graphs.values())
         for i in range(args.requests + 20):
             t0 = time.perf_counter()
             engine.add_request(prompts[i % len(prompts)], params)
             while engine.has_work():
                 engine.step()
             times.append(time.perf_counter() - t0)
+        if sum(g.calls for g in runner.prefill_graphs.values()) - replays != args.requests + 20:
+            raise SystemExit(f"{n}-token prompts did not each replay one stand-in graph: the figure would time the model")
         times = times[20:]
-        print(f"  {n:5d} tokens: p50 {1e6 * statistics.median(times):7.1f}  min {1e6 * min(times):7.1f}")
+        p50[n] = statistics.median(times)
+        print(f"  {n:5d} tokens: p50 {1e6 * p50[n]:7.1f}  min {1e6 * min(times):7.1f}")
+    return p50
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from deltaflash.core.request import SamplingParams
 from deltaflash.models.layers import RoutedLinear
 from deltaflash.ops.gemm.invariant import BM, invariant_linear, invariant_linear_kernel
+from tests import bench_scripts
 from tests.spec_pairs import engine_for, make_pair, prompts
 
 INTERPRETED = isinstance(invariant_linear_kernel, InterpretedFunction)
@@ -84,24 +85,11 @@ def test_an_engine_runs_its_products_batch_invariant():
         assert [c.token_ids for c in spec.generate(batch, params)[0]] == want
 
 
-def _swiglu_bench():
-    """bench/swiglu_gemm.py (a measured lever kept as a script, not a package module)."""
-    import importlib.util
-    import sys
-
-    if "swiglu_gemm_bench" not in sys.modules:  # (its dataclass looks its module up there)
-        path = Path(__file__).parents[1] / "bench" / "swiglu_gemm.py"
-        spec = importlib.util.spec_from_file_location("swiglu_gemm_bench", path)
-        sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules["swiglu_gemm_bench"]
-
-
 @pytest.mark.parametrize("M", [1, 40, 96])
 def test_bench_swiglu_gemm_matches_the_unfused_route(M):
     from deltaflash.ops.activation.naive import silu_mul_ref
 
-    bench = _swiglu_bench()
+    bench = bench_scripts.load("swiglu_gemm")
     x, w, _ = operands(M, 64, 128, HALF, False)
     tile = bench.SwigluTile(BM=32, BN=32, BK=32, warps=4, stages=2, group_m=2)
     got = bench.swiglu_gemm(x, w, tile)

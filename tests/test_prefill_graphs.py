@@ -452,3 +452,12 @@ def test_run_host_fills_each_input_section_of_the_flat_buffer(monkeypatch):
     assert mixed.flat is None
     with pytest.raises(ValueError, match="one dtype"):
         mixed.run_host(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float32))
+
+
+def test_bench_host_path_replays_its_stand_in_graphs():
+    """bench/host_path.py times the engine's own path: every prompt it sends replays a stand-in prefill
+    graph (the script refuses to print a figure otherwise)."""
+    from tests import bench_scripts
+
+    p50 = bench_scripts.load("host_path").main(["--tokens", "64", "300", "--requests", "3"])
+    assert set(p50) == {64, 300} and all(t > 0 for t in p50.values())

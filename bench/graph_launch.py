@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 import deltaflash
+from deltaflash.bench.common import time_ms
 
 
 @triton.jit
@@ -60,20 +61,13 @@ def host_us(replay, repeats: int = 60, busy: bool = False) -> float:
 
 
 def device_ms(replay, repeats: int = 10, busy: bool = False) -> float:
-    """Median milliseconds between CUDA events recorded around one replay() (busy: both queued behind a
-    device sleep, so the events time the graph's kernels alone, not its launch)."""
-    times = []
-    for _ in range(repeats):
+    """Median milliseconds between CUDA events recorded around one replay(), the device idle before it
+    (busy: both queued behind a device sleep, so the events time the graph's kernels alone, not its launch)."""
+    def settle():
         torch.cuda.synchronize()
         if busy:
             torch.cuda._sleep(20_000_000)  # cycles: ~10 ms, longer than any launch
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record()
-        replay()
-        after.record()
-        after.synchronize()
-        times.append(before.elapsed_time(after))
-    return statistics.median(times)
+    return time_ms(replay, warmup=0, iters=repeats, before=settle)
 
 
 def synthetic(kind: str, n: int) -> torch.cuda.CUDAGraph:

@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    cfg = dataclasses.replace(SHAPES["toy"](num_layers=2), max_position_embeddings=8192)
-    engine = Engine(random_model(cfg, torch.float32, "cpu"), None, None,
-                    EngineConfig(max_slots=8, max_model_len=4096, kv_cache_memory=64 << 20))
+    cfg = SHAPES["toy"](num_layers=2)
+    engine = Engine(random_model(cfg, torch.float32, "cpu"), None, None, EngineConfig())  # the serve defaults
     runner, config = engine.runner, engine.config
     buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots, config.max_model_len,
                                     config.idle_prefill_tokens)
@@ -66,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
     print(f"{deltaflash.__file__}: host time from add_request to the first token, toy shape on the CPU, "
-          f"prefill graphs standing in (us, {args.requests} requests per length)")
+          f"{config.max_slots} slots, max_model_len {config.max_model_len}, prefill graphs standing in "
+          f"(us, {args.requests} requests per length)")
     p50 = {}
     for n in args.tokens:
         prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for _ in range(16)]

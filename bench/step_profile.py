@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import re
 import statistics
 import time
@@ -208,7 +209,7 @@ def ttft_profile(engine, args) -> None:
     if args.stacks:
         launch_stacks(lambda: [first_token(i) for i in range(2)], args.stacks, 2, args.rows)
     if args.split:
-        count = iter(range(10**6))
+        count = itertools.count()
         split_profile(engine, lambda: first_token(next(count) % len(prompts)), args.steps,
                       ("add_request", "runner._prefill", "runner._prefill_replay"))
     import cProfile

@@ -16,13 +16,16 @@ import torch
 from deltaflash.engine.graphs import capture
 
 
-def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
+def time_ms(fn, warmup: int = 3, iters: int = 10, before=None) -> float:
+    """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU); `before` (optional) runs
+    ahead of each timed call, outside the timing (work it queues on the device runs before the start event)."""
     for _ in range(warmup):
         fn()
     times = []
     cuda = torch.cuda.is_available()
     for _ in range(iters):
+        if before is not None:
+            before()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

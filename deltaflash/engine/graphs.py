@@ -173,18 +173,25 @@ class LaneGraphs:
         graph, out = capture(lambda: self.fn(*(s[:bucket] for s in self.static)), self.pool)
         self.graphs[bucket] = (graph, out if isinstance(out, tuple) else (out,))
 
+    def bucket(self, L: int) -> int | None:
+        """The smallest bucket of at least L lanes (None: more lanes than the largest)."""
+        return next((b for b in self.buckets if b >= L), None)
+
+    def _replay(self, bucket: int, L: int) -> tuple:
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return tuple(None if o is None else o[:L] for o in out)
+
     def run(self, *inputs: torch.Tensor) -> tuple | None:
         L = inputs[0].shape[0]
-        bucket = next((b for b in self.buckets if b >= L), None)
+        bucket = self.bucket(L)
         if bucket is None:
             return None
-        graph, out = self.graphs[bucket]
         for buffer, x, pad in zip(self.static, inputs, self.pads):
             buffer[:L].copy_(x)
             if L < bucket:
                 buffer[L:bucket].fill_(pad)
-        graph.replay()
-        return tuple(None if o is None else o[:L] for o in out)
+        return self._replay(bucket, L)
 
     def run_host(self, *inputs: np.ndarray) -> tuple | None:
         """`run` from host arrays, each [L, *per-lane shape]: one host -> device transfer of the flat
@@ -194,7 +201,7 @@ class LaneGraphs:
         if self.flat is None:
             raise ValueError(f"{self.name}: run_host takes inputs of one dtype")
         L = len(inputs[0])
-        bucket = next((b for b in self.buckets if b >= L), None)
+        bucket = self.bucket(L)
         if bucket is None:
             return None
         host = np.empty(self.flat.numel(), dtype=inputs[0].dtype)
@@ -206,9 +213,7 @@ class LaneGraphs:
             offset += static.numel()
         staged = PinnedStaging.of(self.flat.device).stage(host) if self.flat.is_cuda else torch.from_numpy(host)
         self.flat.copy_(staged, non_blocking=True)
-        graph, out = self.graphs[bucket]
-        graph.replay()
-        return tuple(None if o is None else o[:L] for o in out)
+        return self._replay(bucket, L)
 
 
 class CudaGraphs:

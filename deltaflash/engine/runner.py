@@ -495,16 +495,16 @@ class ModelRunner:
             most = [n + 1 for n in limits] if graphs is not None else (1,) * len(slots)
             check_chains(self.pool, slots, most, starts, W if graphs is not None else 1)
         budgets = [min(s.params.tree_budget or W, W) for s in seqs]
-        anchors = [s.pending for s in seqs]
+        pending = [s.pending for s in seqs]
         if graphs is not None:  # a greedy round's graph (committed inside it): its inputs in one transfer
             trees = plan.tree_budget and W > 1
-            inputs = (anchors, slots, starts, limits, budgets) if trees else (anchors, slots, starts, limits)
+            inputs = (pending, slots, starts, limits, budgets) if trees else (pending, slots, starts, limits)
             out = graphs.run_host(*(np.asarray(x, dtype=np.int64) for x in inputs))
             if out is not None:
                 marks = [self._now()] * 2  # (one launch: the draft phase holds it, the verify phase is empty)
                 accepted = Accepted(counts=out[0], tokens=out[1], path=out[2] if trees else None)
                 return _Round(None, None, None, accepted, committed=True), marks
-        lanes = to_device([slots, starts, anchors, limits, budgets], self.device)
+        lanes = to_device([slots, starts, pending, limits, budgets], self.device)
         slot_ids, start, anchors, n_draft, budget = lanes  # one transfer, five [L] rows
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)

@@ -2,8 +2,9 @@
 `conv_extend_kernel` compiled for sm_90 on this machine (no GPU needed: Triton's ptxas and nvdisasm),
 at the 9B shape's 2048-token prefill (q, k, v heads, K = 4 taps) with the JIT's alignment hints.
 
-Usage: python bench/conv_sass.py [32x4 16x4 ...] [--main-path]   (row tile x warps; default ROW_TILE x NUM_WARPS)
-The kernel of rows K-1 on (FIRST=False: the whole grid but rows [0, K-1)), and of rows [0, K-1) with the history
+Usage: python bench/conv_sass.py [32x1 16x4 ...] [--main-path]   (row tile x warps; default ROW_TILE x NUM_WARPS)
+A kernel that walks its rows one at a time (HEAD's) is counted by its row loop's body per element. Older ones
+(a 2D tile of rows, every instruction once): the kernel of rows K-1 on (FIRST=False: the whole grid but rows [0, K-1)), and of rows [0, K-1) with the history
 (FIRST=True, its own small launch). CONV_PY=path compiles that extend.py instead (an older one: `git show
 REV:deltaflash/ops/conv/extend.py > /tmp/extend.py`); for a kernel of one launch (before FIRST), --main-path takes
 the first row tile's branches (the history, the new history) out: what every other row tile ran.
@@ -21,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verify_registers import compile_sm90, opcode, ptxas_report, sass  # noqa: E402
+from verify_registers import compile_sm90, opcode, ptxas_report, row_loop_ops, sass  # noqa: E402
 
 from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE  # noqa: E402
 
@@ -80,6 +81,14 @@ if __name__ == "__main__":
         for op, n in ops.items():
             groups[op.split(".")[0]] += n
         loads = ", ".join(f"{op} {n}" for op, n in sorted(ops.items()) if op.startswith("LDG"))
-        print(f"{config}{' (rows [0, K-1), the history)' if first else ''}: {regs}; {len(instructions)} SASS instructions for {per_thread:.0f} elements a thread "
-              f"({len(instructions) / per_thread:.0f} per element); " + " ".join(f"{g} {groups[g]}" for g in SHOWN)
-              + f"; loads: {loads}")
+        if "FIRST" in conv_extend_kernel.arg_names:  # a 2D tile of rows: every instruction runs once
+            count = f"{len(instructions)} SASS instructions for {per_thread:.0f} elements a thread " \
+                    f"({len(instructions) / per_thread:.0f} per element)"
+        else:  # a row at a time: the loop body runs once a row
+            with tempfile.TemporaryDirectory() as tmp:
+                body, _ = row_loop_ops(kernel, Path(tmp))
+            row = 128 / (num_warps * 32)
+            count = f"{len(instructions)} SASS instructions, {body} in the row loop for {row:.0f} elements a " \
+                    f"thread ({body / row:.0f} per element, the division's slow path included)"
+        print(f"{config}{' (rows [0, K-1), the history)' if first else ''}: {regs}; {count}; "
+              + " ".join(f"{g} {groups[g]}" for g in SHOWN) + f"; loads: {loads}")

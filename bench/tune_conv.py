@@ -1,7 +1,7 @@
 """Time the prefill conv kernel (conv_extend_heads: depthwise causal conv + SiLU, q / k L2-normalised per key
 head) over (rows per program, warps) tiles at the 9B layer shape (CUDA).
 
-Usage: python bench/tune_conv.py [--tokens 2048 512] [--configs 32x4 64x4 ...] (ROWSxWARPS)
+Usage: python bench/tune_conv.py [--tokens 2048 512] [--configs 32x1 64x1 ...] (ROWSxWARPS)
 
 Prints device milliseconds per call (CUDA-graph replay), the bytes moved as a rate, and that rate over
 the measured copy rate (1.0 = the byte roofline). The input is a strided column view of a projection, as
@@ -41,7 +41,7 @@ def moved_bytes(T: int) -> int:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 512])
-    p.add_argument("--configs", nargs="+", default=["16x4", "32x4", "64x4", "128x4", "32x8", "64x8", "128x8", "32x2"])
+    p.add_argument("--configs", nargs="+", default=["8x1", "16x1", "32x1", "64x1", "128x1", "32x2", "64x2"])
     args = p.parse_args()
     default = (extend.ROW_TILE, extend.NUM_WARPS)
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]

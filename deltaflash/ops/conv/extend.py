@@ -2,10 +2,10 @@
 history; the prefill's, `conv_extend_heads`, reads and writes the pool's histories in place, by slot).
 
 `causal_conv_extend_ref` is the torch route, `causal_conv_extend` the Triton kernel: one program per
-(channel tile, row tile, lane) reads the rows where the GEMM wrote them (a strided column view of the
-projection) and, for the first K-1 rows (their own launch), the history, with the arithmetic of README.md
-(fp32 taps in order from 0, SiLU, one rounding to the rows' dtype), so the two agree bit for bit on a GPU,
-as the verify route's do. The
+(channel tile, row tile, lane) walks its rows one at a time where the GEMM wrote them (a strided column view
+of the projection), each input loaded once and kept for the next rows' taps, the first row tile reading the
+history, with the arithmetic of README.md (fp32 taps in order from 0, SiLU, one rounding to the rows'
+dtype), so the two agree bit for bit on a GPU, as the verify route's do. The
 verify route (read-only history, tree parents, windows for commit) lives in tree_step.py / naive.py.
 """
 
@@ -50,6 +50,15 @@ def causal_conv_extend_ref(rows: torch.Tensor, history: torch.Tensor, weight: to
     return out, new_history
 
 
+@triton.jit
+def _input(p_rows, p_hist, src, stride_r_t, stride_h_t, T, m_c, has, K: tl.constexpr):
+    """The [BC] inputs at position src of a lane (in the rows' dtype): row src when src >= 0 (zeros past T),
+    else history column K-1 + src (zeros without a slot)."""
+    b_x = tl.load(p_rows + tl.maximum(src, 0).to(tl.int64) * stride_r_t, mask=m_c & (src >= 0) & (src < T), other=0.0)
+    b_h = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t, mask=m_c & (src < 0) & has, other=0.0)
+    return tl.where(src >= 0, b_x, b_h.to(p_rows.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["T"])  # prefill chunks come in every length
 def conv_extend_kernel(
     rows, history, slots, weight, n_rows, out, k_out, v_out, new_history,
@@ -58,65 +67,74 @@ def conv_extend_kernel(
     stride_n_l, stride_n_c, stride_n_t,
     stride_w_c, stride_w_t,
     T, C, DK, KD, eps,
-    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    HEADS: tl.constexpr, FIRST: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HEADS: tl.constexpr,
 ):
-    """One program: rows [R0 + i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC). Tap j of row t
-    reads the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j).
-    FIRST: the launch of rows [0, K-1) (R0 = 0), the only ones that reach into the history - row slots[i_l] of
-    history (slot -1: zeros) - and it writes the lane's new history (the inputs at n - (K-1) + i) to row
-    slots[i_l] of new_history (slot -1: nowhere), which may be history itself. Else R0 = K-1: rows only, and the
-    registers of the history's loads (its [C, K-1] layout loads a channel at a time) are not the whole grid's.
-    Without HEADS the outputs go to out [L, T, C]. With HEADS a tile is one key head (DK = dk): below KD
-    channels q, below 2 KD k, each L2-normalised over the head (fp32 from the rounded conv output, one
-    rounding) and stored to its head of out / k_out [L, T, KD / DK, DK]; the rest is v, stored as it is to
-    v_out [L, T, C - 2 KD]."""
+    """One program: rows [i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC, K <= 4), a row at a
+    time: each input is loaded once and kept for the next K-1 rows' taps (the window x1, x2, x3 holds the
+    inputs 3, 2, 1 rows back). Tap j of row t reads the input at t - (K-1) + j: a row when that is >= 0, else
+    history column K-1 + (t - (K-1) + j), which only row tile 0 reaches - row slots[i_l] of history (slot -1:
+    zeros); that program also writes the lane's new history (the inputs at n - (K-1) + i) to row slots[i_l] of
+    new_history (slot -1: nowhere), which may be history itself. Without HEADS the outputs go to out [L, T, C].
+    With HEADS a tile is one key head (DK = dk): below KD channels q, below 2 KD k, each L2-normalised over the
+    head (fp32 from the rounded conv output, one rounding) and stored to its head of out / k_out
+    [L, T, KD / DK, DK]; the rest is v, stored as it is to v_out [L, T, C - 2 KD]."""
     i_c, i_t, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
     o_d = tl.arange(0, BC)
     o_c = i_c * DK + o_d
-    o_t = (0 if FIRST else K - 1) + i_t * BT + tl.arange(0, BT)
     m_c = (o_d < DK) & (o_c < C)
-    m_t = (o_t < T) & (o_t < K - 1) if FIRST else o_t < T
-    p_rows = rows + i_l * stride_r_l + o_c[None, :].to(tl.int64) * stride_r_c
-    slot = tl.load(slots + i_l).to(tl.int64)  # (FIRST only reads the history; the others drop this load)
+    p_rows = rows + i_l * stride_r_l + o_c.to(tl.int64) * stride_r_c
+    slot = tl.load(slots + i_l).to(tl.int64)
     has = slot >= 0  # a slot: its history is read and written
-    p_hist = history + tl.maximum(slot, 0) * stride_h_l + o_c[None, :].to(tl.int64) * stride_h_c
-    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(K):
-        src = o_t[:, None] - (K - 1) + j  # [BT, 1] input index (negative: the history)
-        b_x = tl.load(p_rows + tl.maximum(src, 0).to(tl.int64) * stride_r_t, mask=m_c[None, :] & (src >= 0) & (src < T),
-                      other=0.0)
-        if FIRST:
-            b_xh = tl.load(p_hist + tl.maximum(src + K - 1, 0) * stride_h_t, mask=m_c[None, :] & (src < 0) & has,
-                           other=0.0)
-            b_x = tl.where(src >= 0, b_x, b_xh.to(rows.dtype.element_ty))
-        b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
-        b_acc = b_acc + b_w[None, :] * b_x.to(tl.float32)
+    p_hist = history + tl.maximum(slot, 0) * stride_h_l + o_c.to(tl.int64) * stride_h_c
+    t0 = i_t * BT
+    x1 = _input(p_rows, p_hist, t0 - 3, stride_r_t, stride_h_t, T, m_c, has, K).to(tl.float32)
+    x2 = _input(p_rows, p_hist, t0 - 2, stride_r_t, stride_h_t, T, m_c, has, K).to(tl.float32)
+    x3 = _input(p_rows, p_hist, t0 - 1, stride_r_t, stride_h_t, T, m_c, has, K).to(tl.float32)
+    p_w = weight + o_c * stride_w_c
+    w1 = tl.load(p_w + max(K - 4, 0) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)  # the taps of x1, x2, x3, x
+    w2 = tl.load(p_w + max(K - 3, 0) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
+    w3 = tl.load(p_w + max(K - 2, 0) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
+    w4 = tl.load(p_w + (K - 1) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
     dtype = out.dtype.element_ty
-    b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc)).to(dtype)  # silu, rounded
-    m_o = m_c[None, :] & m_t[:, None]
-    if not HEADS:
-        tl.store(out + (i_l * T + o_t[:, None]) * C + o_c[None, :], b_o, mask=m_o)
-    elif i_c * DK < 2 * KD:  # a q or k head: normalised
-        b_n = b_o.to(tl.float32)
-        b_n = (b_n * exact_rsqrt(tl.sum(b_n * b_n, axis=1) + eps)[:, None]).to(dtype)
-        o_r = (i_l * T + o_t[:, None]).to(tl.int64) * KD + o_d[None, :]  # row starts
-        if i_c * DK < KD:
-            p_o = out + o_r + i_c * DK
+    t_end = tl.minimum(t0 + BT, T)
+    x_next = tl.load(p_rows + t0 * stride_r_t, mask=m_c & (t0 < T), other=0.0)
+    for t in range(t0, t_end):
+        x = x_next.to(tl.float32)
+        x_next = tl.load(p_rows + (t + 1) * stride_r_t, mask=m_c & (t + 1 < t_end), other=0.0)  # in flight meanwhile
+        b_acc = tl.zeros([BC], dtype=tl.float32)  # fp32 taps in order from 0, as the torch route adds them
+        if K == 4:
+            b_acc = b_acc + w1 * x1
+        if K >= 3:
+            b_acc = b_acc + w2 * x2
+        if K >= 2:
+            b_acc = b_acc + w3 * x3
+        b_acc = b_acc + w4 * x
+        x1, x2, x3 = x2, x3, x
+        b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc)).to(dtype)  # silu, rounded
+        if not HEADS:
+            tl.store(out + (i_l * T + t) * C + o_c, b_o, mask=m_c)
+        elif i_c * DK < 2 * KD:  # a q or k head: normalised
+            b_n = b_o.to(tl.float32)
+            b_n = (b_n * exact_rsqrt(tl.sum(b_n * b_n, axis=0) + eps)).to(dtype)
+            o_r = (i_l * T + t) * KD + o_d  # the row's start
+            if i_c * DK < KD:
+                p_o = out + o_r + i_c * DK
+            else:
+                p_o = k_out + o_r + (i_c * DK - KD)
+            tl.store(p_o, b_n, mask=m_c)
         else:
-            p_o = k_out + o_r + (i_c * DK - KD)
-        tl.store(p_o, b_n, mask=m_o)
-    else:
-        VD = C - 2 * KD
-        tl.store(v_out + (i_l * T + o_t[:, None]).to(tl.int64) * VD + (o_c[None, :] - 2 * KD), b_o, mask=m_o)
-    if FIRST:
+            VD = C - 2 * KD
+            tl.store(v_out + (i_l * T + t) * VD + (o_c - 2 * KD), b_o, mask=m_c)
+    if i_t == 0:
         n = tl.load(n_rows + i_l).to(tl.int32)
         o_k = tl.arange(0, BK)
         i_in = n - (K - 1) + o_k[:, None]  # [BK, 1] the inputs that stay
         m_k = (o_k[:, None] < K - 1) & m_c[None, :]
-        b_kr = tl.load(p_rows + tl.maximum(i_in, 0).to(tl.int64) * stride_r_t, mask=m_k & (i_in >= 0), other=0.0)
-        b_kh = tl.load(p_hist + tl.maximum(i_in + K - 1, 0) * stride_h_t, mask=m_k & (i_in < 0) & has, other=0.0)
+        b_kr = tl.load(p_rows[None, :] + tl.maximum(i_in, 0).to(tl.int64) * stride_r_t, mask=m_k & (i_in >= 0),
+                       other=0.0)
+        b_kh = tl.load(p_hist[None, :] + tl.maximum(i_in + K - 1, 0) * stride_h_t, mask=m_k & (i_in < 0) & has,
+                       other=0.0)
         b_keep = tl.where(i_in >= 0, b_kr, b_kh.to(rows.dtype.element_ty))
         tl.debug_barrier()  # every thread's loads of the history before any store (new_history may be history)
         p_new = new_history + tl.maximum(slot, 0) * stride_n_l + o_c[None, :].to(tl.int64) * stride_n_c \
@@ -124,31 +142,30 @@ def conv_extend_kernel(
         tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k & has)
 
 
-ROW_TILE, NUM_WARPS = 32, 4  # rows per program, warps (tile sweep on the H200: bench/tune_conv.py)
+ROW_TILE, NUM_WARPS = 32, 1  # rows per program, warps (tile sweep: bench/tune_conv.py)
 
 
 def _launch(rows, history, slots, weight, n_rows, outs, new_history, DK: int, KD: int, heads: bool) -> None:
-    """Two launches: rows [0, K-1) with the history (and the new history), then the rest in ROW_TILE rows."""
+    """One launch: ROW_TILE rows a program; row tile 0 also reads the history and writes the new one."""
     L, T, C = rows.shape
     K = weight.shape[1]
+    if K > 4:
+        raise ValueError(f"the prefill conv kernel takes up to 4 taps, not {K}")
     if L and T:
         out, k_out, v_out = outs
-        BK = triton.next_power_of_2(K - 1)
-        for first, row_tiles, BT, warps in ((True, 1, BK, 1), (False, triton.cdiv(T - (K - 1), ROW_TILE), ROW_TILE,
-                                                                  NUM_WARPS)):
-            if row_tiles > 0:
-                conv_extend_kernel[(triton.cdiv(C, DK), row_tiles, L)](
-                    rows, history, slots, weight, n_rows, out, k_out, v_out, new_history,
-                    *rows.stride(), *history.stride(), *new_history.stride(), *weight.stride(),
-                    T, C, DK, KD, L2_EPS,
-                    K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=BK, HEADS=heads, FIRST=first,
-                    num_warps=warps, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
-                )
+        BT = max(ROW_TILE, K - 1)  # (only row tile 0 reaches into the history)
+        conv_extend_kernel[(triton.cdiv(C, DK), triton.cdiv(T, BT), L)](
+            rows, history, slots, weight, n_rows, out, k_out, v_out, new_history,
+            *rows.stride(), *history.stride(), *new_history.stride(), *weight.stride(),
+            T, C, DK, KD, L2_EPS,
+            K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=triton.next_power_of_2(max(K - 1, 1)),
+            HEADS=heads, num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+        )
 
 
 def causal_conv_extend(rows: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, n_rows: torch.Tensor):
     """Fused causal_conv_extend_ref (same arguments and results; rows may be a strided view, history
-    any layout). Two launches (rows [0, K-1) with the history, then the rest), no host sync."""
+    any layout). One launch, no host sync."""
     check_extend_shapes(rows, history, weight, n_rows)
     check_device(rows, history=history, weight=weight, n_rows=n_rows)
     L, T, C = rows.shape
@@ -217,7 +234,7 @@ def conv_extend_heads_ref(rows, conv_history, slots, weight, n_rows, key_heads: 
 
 
 def conv_extend_heads(rows, conv_history, slots, weight, n_rows, key_heads: int, value_heads: int, key_dim: int):
-    """conv_extend_heads_ref in two launches (as causal_conv_extend; the normalisation's sum in the kernel's
+    """conv_extend_heads_ref in one launch (as causal_conv_extend; the normalisation's sum in the kernel's
     order), each lane's history read from and its new history written to its slot's row in place: one
     program's channel tile is one key head (or key_dim channels of v)."""
     check_slot_shapes(rows, conv_history, slots, weight, n_rows)

@@ -17,8 +17,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed,
                                       prefill_graph_buckets, prefill_graph_for, prefill_lane_buckets, prefill_shapes)
 from deltaflash.ops.attention.paged import paged_attention_kernel
-from deltaflash.ops.gdn.chunk import (chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize,
-                                     mask_padding_gates)
+from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize
 from deltaflash.server.metrics import Metrics
 from tests.spec_pairs import DEVICE, engine_for, pairs_by_kind, prompts
 
@@ -110,28 +109,6 @@ def test_padded_chunked_rule_equals_the_packed_one():
     torch.testing.assert_close(pack(o), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[live], final_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[2], state[2], rtol=0, atol=1e-6)
-
-
-def test_padding_gates_of_one_projection_are_masked_in_one_buffer():
-    """b's columns followed by a's in one projection output (a GDN layer's): one where masks both, into one
-    buffer (b's and a's storage shared), each half contiguous and equal to masking each alone; a and b of
-    separate tensors are masked one by one."""
-    g = torch.Generator().manual_seed(5)
-    L, T, H = 2, 9, 3
-    proj = torch.randn(L, T, 4 + 2 * H + 1, generator=g)
-    b, a = proj[..., 4:4 + H], proj[..., 4 + H:4 + 2 * H]
-    rows_valid = torch.arange(T)[None] < torch.tensor([4, 0])[:, None]
-    want = [torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b)]
-    got = mask_padding_gates(a, b, rows_valid)
-    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
-    for x, y in zip(got, want):
-        assert x.is_contiguous() and torch.equal(x, y)
-    apart = mask_padding_gates(a.clone(), b.clone(), rows_valid)
-    assert apart[0].untyped_storage().data_ptr() != apart[1].untyped_storage().data_ptr()
-    for x, y in zip(apart, want):
-        assert torch.equal(x, y)
-    swapped = mask_padding_gates(b, a, rows_valid)  # a's columns before b's: not one buffer
-    assert swapped[0].untyped_storage().data_ptr() != swapped[1].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
-NEG_INF = torch.tensor(float("-inf"))  # a 0-dim CPU tensor: what `torch.where(..., out=)` takes as a scalar
 
 
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
@@ -88,7 +87,7 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     and decays nothing, and it comes after every valid row, so each lane's valid outputs and final
     state are those of its valid rows alone (the chunks start at row 0 as in the packed layout).
     Returns (o [L, T, H, dv] in v's dtype, garbage at padding rows; final_states [L, H, dk, dv] fp32)."""
-    a, b = mask_padding_gates(a, b, rows_valid)
+    a, b = (torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b))
     if q.is_cuda:
         return _fla(q, k, v, a, b, A_log, dt_bias, initial_states)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
@@ -96,20 +95,6 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     q = q.float() * q.shape[-1] ** -0.5
     outs = [chunk_gated_delta_rule_ref(q[i], k[i], v[i], g[i], beta[i], initial_states[i]) for i in range(q.shape[0])]
     return torch.stack([o for o, _ in outs]).to(v.dtype), torch.stack([s for _, s in outs])
-
-
-def mask_padding_gates(a, b, rows_valid):
-    """(a, b) [L, T, H] with the rows where rows_valid [L, T] is False set to -inf, both contiguous. When b's
-    columns are followed by a's in one tensor (a GDN layer's projection: `in_proj_b`, then `in_proj_a`), one
-    launch masks both, into one buffer whose two halves are b and a; else one launch each."""
-    H = a.shape[-1]
-    if (b.shape == a.shape and b.stride() == a.stride() and b.stride(-1) == 1 and b.dtype == a.dtype
-            and a.data_ptr() == b.data_ptr() + H * b.element_size()):
-        both = b.as_strided((*b.shape[:-1], 2, H), (*b.stride()[:-1], H, 1))  # [L, T, 2, H]: b, then a
-        out = torch.empty((2, *b.shape), dtype=b.dtype, device=b.device)
-        torch.where(rows_valid[..., None, None], both, NEG_INF, out=out.movedim(0, -2))
-        return out[1], out[0]
-    return tuple(torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b))
 
 
 def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, **varlen):

@@ -142,7 +142,7 @@ def conv_extend_kernel(
         tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k & has)
 
 
-ROW_TILE, NUM_WARPS = 32, 1  # rows per program, warps (tile sweep: bench/tune_conv.py)
+ROW_TILE, NUM_WARPS = 16, 1  # rows per program, warps (H100 sweep: bench/tune_conv.py, docs/benchmarks.md)
 
 
 def _launch(rows, history, slots, weight, n_rows, outs, new_history, DK: int, KD: int, heads: bool) -> None:

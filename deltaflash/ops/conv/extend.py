@@ -98,10 +98,12 @@ def conv_extend_kernel(
     w4 = tl.load(p_w + (K - 1) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
     dtype = out.dtype.element_ty
     t_end = tl.minimum(t0 + BT, T)
-    x_next = tl.load(p_rows + t0 * stride_r_t, mask=m_c & (t0 < T), other=0.0)
+    p_x = p_rows + t0.to(tl.int64) * stride_r_t  # row t's inputs, one row on at each step (64-bit offsets)
+    x_next = tl.load(p_x, mask=m_c & (t0 < T), other=0.0)
     for t in range(t0, t_end):
         x = x_next.to(tl.float32)
-        x_next = tl.load(p_rows + (t + 1) * stride_r_t, mask=m_c & (t + 1 < t_end), other=0.0)  # in flight meanwhile
+        p_x += stride_r_t
+        x_next = tl.load(p_x, mask=m_c & (t + 1 < t_end), other=0.0)  # in flight meanwhile
         b_acc = tl.zeros([BC], dtype=tl.float32)  # fp32 taps in order from 0, as the torch route adds them
         if K == 4:
             b_acc = b_acc + w1 * x1

@@ -4,8 +4,8 @@ at the 9B shape's 2048-token prefill (q, k, v heads, K = 4 taps) with the JIT's 
 
 Usage: python bench/conv_sass.py [32x1 16x4 ...] [--main-path]   (row tile x warps; default ROW_TILE x NUM_WARPS)
 A kernel that walks its rows one at a time (HEAD's) is counted by its row loop's body per element. Older ones
-(a 2D tile of rows, every instruction once): the kernel of rows K-1 on (FIRST=False: the whole grid but rows [0, K-1)), and of rows [0, K-1) with the history
-(FIRST=True, its own small launch). CONV_PY=path compiles that extend.py instead (an older one: `git show
+(a 2D tile of rows, every instruction once): the kernel of rows K-1 on (FIRST=False: the whole grid but rows
+[0, K-1)), and of rows [0, K-1) with the history (FIRST=True, its own small launch). CONV_PY=path compiles that extend.py instead (an older one: `git show
 REV:deltaflash/ops/conv/extend.py > /tmp/extend.py`); for a kernel of one launch (before FIRST), --main-path takes
 the first row tile's branches (the history, the new history) out: what every other row tile ran.
 
@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verify_registers import compile_sm90, opcode, ptxas_report, row_loop_ops, sass  # noqa: E402
+from verify_registers import compile_sm90, loop_body, opcode, ptxas_report, sass  # noqa: E402
 
 from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE  # noqa: E402
 
@@ -74,7 +74,7 @@ if __name__ == "__main__":
         kernel = compile_conv(row_tile, num_warps, first)
         with tempfile.TemporaryDirectory() as tmp:
             regs = ptxas_report(kernel, Path(tmp))
-            instructions, _ = sass(kernel, Path(tmp))
+            instructions, labels = sass(kernel, Path(tmp))
         per_thread = row_tile * 128 / (num_warps * 32)  # output elements of one thread (one key head's 128 channels)
         ops = Counter(opcode(i) for i in instructions)
         groups = Counter()
@@ -85,8 +85,7 @@ if __name__ == "__main__":
             count = f"{len(instructions)} SASS instructions for {per_thread:.0f} elements a thread " \
                     f"({len(instructions) / per_thread:.0f} per element)"
         else:  # a row at a time: the loop body runs once a row
-            with tempfile.TemporaryDirectory() as tmp:
-                body, _ = row_loop_ops(kernel, Path(tmp))
+            body = len(loop_body(instructions, labels))
             row = 128 / (num_warps * 32)
             count = f"{len(instructions)} SASS instructions, {body} in the row loop for {row:.0f} elements a " \
                     f"thread ({body / row:.0f} per element, the division's slow path included)"

@@ -94,15 +94,19 @@ def opcode(instruction: str) -> str:
     return instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]
 
 
-def row_loop_ops(kernel, tmp: Path) -> tuple[int, Counter]:
-    """(instructions, opcode counts) between the target of the largest backward branch and the branch."""
-    instructions, labels = sass(kernel, tmp)
+def loop_body(instructions: list[str], labels: dict[str, int]) -> list[str]:
+    """The instructions from the target of the largest backward branch to the branch (`sass`'s output)."""
     loop = (0, -1)
     for i, ins in enumerate(instructions):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
         if m and labels.get(m.group(1), i + 1) <= i and i - labels[m.group(1)] > loop[1] - loop[0]:
             loop = (labels[m.group(1)], i)
-    body = instructions[loop[0]:loop[1] + 1]
+    return instructions[loop[0]:loop[1] + 1]
+
+
+def row_loop_ops(kernel, tmp: Path) -> tuple[int, Counter]:
+    """(instructions, opcode counts) of the kernel's loop body (`loop_body`)."""
+    body = loop_body(*sass(kernel, tmp))
     return len(body), Counter(opcode(ins).split(".")[0] for ins in body)
 
 

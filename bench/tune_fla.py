@@ -71,6 +71,20 @@ def inputs(lanes: int, T: int):
     return q, k, v, a, b, A_log, dt_bias, state
 
 
+def kernel_us(fn, calls: int = 5) -> list[tuple[str, float]]:
+    """Device us per call of each kernel fn launches (eager calls under the profiler), longest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    times = [(e.key[:48], e.self_device_time_total / calls) for e in prof.key_averages()
+             if e.device_type == cuda and e.self_device_time_total]
+    return sorted(times, key=lambda t: -t[1])
+
+
 @torch.inference_mode()
 def main():
     p = argparse.ArgumentParser()
@@ -94,6 +108,7 @@ def main():
         base = graph_ms(run)
         print(f"== {lanes} lanes x {T} rows: {base:.4f} ms with fla-core's picks "
               + ", ".join(f"{n} {describe(c)}" for n, c in picked.items()), flush=True)
+        print("  by kernel (us a call): " + ", ".join(f"{name} {us:.1f}" for name, us in kernel_us(run)), flush=True)
         for name in args.kernels:
             t, rows = tuners[name], []
             for cfg in candidates(name, args.quick):

@@ -1,41 +1,29 @@
 """Time fla-core's chunked gated-delta-rule kernels (the GDN prefill: deltaflash.ops.gdn.chunk._fla, the call
 the engine makes) under launch configs other than the one its autotuner picked, at 9B layer shapes (CUDA).
 
-Usage: python bench/tune_fla.py [--shapes 1x2048 1x512 16x64] [--kernels h o kkt wu] [--quick]
+Usage: python bench/tune_fla.py [--shapes 1x2048 1x512 16x64] [--kernels h o kkt wu] [--quick] [--out TABLE]
 
 fla-core autotunes each kernel once per process, keyed by head counts and dims but not by the rows: the
 first shape a process prefills picks the config every later shape runs. Per shape (lanes x rows) this
 prints the whole call's device ms (CUDA-graph replay) with the configs fla-core's autotuner picks at that
 shape, then, one kernel at a time, with each candidate config (the others at their autotuned choice), and
-the largest output difference against the autotuned run (0: the same bits).
+the largest output difference against the autotuned run (0: the same bits). --out writes the best config
+of each kernel at the first shape as a launch table (deltaflash/ops/gdn/fla_launch.py; ship it as
+deltaflash/ops/gdn/tiles/<device slug>.json).
 """
 
 import argparse
 import itertools
+import os
 
 import torch
 import triton
-from triton.runtime.autotuner import Autotuner
 
 from deltaflash.bench.common import graph_ms
+from deltaflash.ops.gdn import fla_launch
 from deltaflash.ops.gdn.chunk import _fla
 
 NK, NV, DK, DV = 16, 32, 128, 128  # the 9B GDN layer
-
-
-def autotuner(kernel) -> Autotuner:
-    while not isinstance(kernel, Autotuner):  # heuristics wrap the autotuner, which wraps the JIT function
-        kernel = kernel.fn
-    return kernel
-
-
-def kernels() -> dict[str, Autotuner]:
-    from fla.ops.common import chunk_delta_h, chunk_o
-    from fla.ops.gated_delta_rule import chunk_fwd, wy_fast
-    return {"h": autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64),
-            "o": autotuner(chunk_o.chunk_fwd_kernel_o),
-            "kkt": autotuner(chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel),
-            "wu": autotuner(wy_fast.recompute_w_u_fwd_kernel)}
 
 
 def candidates(name: str, quick: bool) -> list[triton.Config]:
@@ -91,8 +79,11 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["1x2048", "1x512", "16x64"], help="LANESxROWS")
     p.add_argument("--kernels", nargs="+", default=["h", "o", "kkt", "wu"])
     p.add_argument("--quick", action="store_true", help="fewer candidates per kernel")
+    p.add_argument("--out", default=None, help="write the first shape's best configs here (a launch table)")
     args = p.parse_args()
-    tuners = kernels()
+    os.environ["DELTAFLASH_FLA_TILES"] = "off"  # the candidates below set the configs, not a bundled table
+    tuners = {name: fla_launch.autotuner(name) for name in fla_launch.KERNELS}
+    best = {}
     own = {name: list(t.configs) for name, t in tuners.items()}
     for shape in args.shapes:
         lanes, T = (int(x) for x in shape.split("x"))
@@ -121,9 +112,17 @@ def main():
                     rows.append((float("inf"), describe(cfg), type(e).__name__))
             t.configs = [picked[name]]  # the next kernel's candidates run beside this one's pick
             rows.sort(key=lambda r: r[0])
+            if shape == args.shapes[0]:  # a candidate 1% faster than fla-core's pick, else the pick
+                faster = rows[0][0] < 0.99 * base
+                best[name] = next(c for c in candidates(name, args.quick) if describe(c) == rows[0][1]) \
+                    if faster else picked[name]
             print(f"  {name}: picked {describe(picked[name])}; best " + "; ".join(
                 f"{d} {ms:.4f} ({ms - base:+.4f}, diff {diff})" for ms, d, diff in rows[:4]), flush=True)
             print("     all: " + ", ".join(f"{d} {ms:.4f}" for ms, d, _ in rows), flush=True)
+
+    if args.out:
+        fla_launch.save(args.out, torch.cuda.get_device_name(), best)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

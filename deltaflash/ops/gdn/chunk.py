@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaflash.ops.gdn import fla_launch
+
 CHUNK = 64
 
 
@@ -99,9 +101,11 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
 
 def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, **varlen):
     """fla-core's chunked rule on [B, T, H, d] rows, its gate (-exp(A_log) softplus(a + dt_bias), summed
-    per chunk) and beta sigmoid computed in its kernels."""
+    per chunk) and beta sigmoid computed in its kernels; launched with this device's configs where a
+    table ships (fla_launch.py)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    fla_launch.pin_for(torch.cuda.get_device_name(q.device))
     o, final = chunk_gated_delta_rule(
         q, k, v, a, b, scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from deltaflash.ops.tables import device_table
 
 MAX_ROWS = 64                       # more rows than this: compute-bound enough for cuBLAS
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the table's row counts (a call of M rows uses the first >= M)
@@ -185,7 +186,7 @@ class SkinnyGemms:
 
 def table_path(device_name: str) -> Path:
     """Where the table of a device of this name (torch.cuda.get_device_name) ships: tiles/<its slug>.json."""
-    return TABLES / (re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ".json")
+    return device_table(TABLES, device_name)
 
 
 def bundled_table(device_name: str) -> Path | None:

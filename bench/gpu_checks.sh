@@ -9,6 +9,7 @@
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks graphlaunch9b gemmgraphs swiglu
+# tunefla
 # (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
@@ -81,6 +82,8 @@ for step in "$@"; do
                            --configs 4x1 8x1 16x1 16x2 32x2 16x4 32x4}
                    done ;;  # (gamma vs torch: GATES)
         tuneconv) run tuneconv 90 python3 bench/tune_conv.py ;;  # issue 15: the prefill conv's tiles
+        tunefla) run tunefla 240 python3 bench/tune_fla.py --quick --shapes 1x2048 16x64 --out "$OUT/fla-tiles.json" ;;  # issue 15:
+                 # fla-core's chunked kernels under other launch configs (ship the table as deltaflash/ops/gdn/tiles/<slug>.json)
         skinny) run skinny 420 python3 bench/tune_skinny.py --out "$OUT/skinny-tiles.json" --report "$OUT/skinny.json" \
                     ${SKINNY_ARGS:-} ;;  # issue 16 item 3: skinny split-K tiles vs cuBLAS (copy the table to
                     # deltaflash/ops/gemm/tiles/), then one round with cuBLAS and with that table side by side

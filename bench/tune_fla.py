@@ -7,9 +7,10 @@ fla-core autotunes each kernel once per process, keyed by head counts and dims b
 first shape a process prefills picks the config every later shape runs. Per shape (lanes x rows) this
 prints the whole call's device ms (CUDA-graph replay) with the configs fla-core's autotuner picks at that
 shape, then, one kernel at a time, with each candidate config (the others at their autotuned choice), and
-the largest output difference against the autotuned run (0: the same bits). --out writes the best config
-of each kernel at the first shape as a launch table (deltaflash/ops/gdn/fla_launch.py; ship it as
-deltaflash/ops/gdn/tiles/<device slug>.json).
+the largest output difference against the autotuned run (0: the same bits). --out writes a launch table
+(deltaflash/ops/gdn/fla_launch.py; ship it as deltaflash/ops/gdn/tiles/<device slug>.json): for each kernel
+whose best config beats fla-core's pick by 1% at some shape, a row bucket per shape (from its rows per
+lane up), with that shape's best config (fla-core's pick where none beat it).
 """
 
 import argparse
@@ -48,6 +49,16 @@ def describe(cfg: triton.Config) -> str:
     return f"{tile + ' ' if tile else ''}w{cfg.num_warps} s{cfg.num_stages}"
 
 
+def row_buckets(by_rows: dict) -> list:
+    """{rows per lane: config} -> [(min_rows, config)]: the first bucket from 0, a new one where the config
+    changes."""
+    out = []
+    for rows, cfg in sorted(by_rows.items()):
+        if not out or describe(cfg) != describe(out[-1][1]):
+            out.append((rows if out else 0, cfg))
+    return out
+
+
 def inputs(lanes: int, T: int):
     dev, bf = "cuda", torch.bfloat16
     q, k = (torch.nn.functional.normalize(torch.randn(lanes, T, NK, DK, device=dev), dim=-1).to(bf) for _ in range(2))
@@ -79,18 +90,18 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["1x2048", "1x512", "16x64"], help="LANESxROWS")
     p.add_argument("--kernels", nargs="+", default=["h", "o", "kkt", "wu"])
     p.add_argument("--quick", action="store_true", help="fewer candidates per kernel")
-    p.add_argument("--out", default=None, help="write the first shape's best configs here (a launch table)")
+    p.add_argument("--out", default=None, help="write a launch table of the best configs by rows here")
     args = p.parse_args()
     os.environ["DELTAFLASH_FLA_TILES"] = "off"  # the candidates below set the configs, not a bundled table
     tuners = {name: fla_launch.autotuner(name) for name in fla_launch.KERNELS}
-    best = {}
+    best = {}  # kernel -> {rows per lane: (config, beats fla-core's pick by 1%)}
     own = {name: list(t.configs) for name, t in tuners.items()}
     for shape in args.shapes:
         lanes, T = (int(x) for x in shape.split("x"))
         x = inputs(lanes, T)
 
         def run():
-            return _fla(*x)
+            return _fla(*x, T)
 
         for name, t in tuners.items():  # fla-core's own choice at this shape
             t.configs, _ = own[name], t.cache.clear()
@@ -107,21 +118,21 @@ def main():
                 try:
                     out = run()
                     diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(out, ref))
-                    rows.append((graph_ms(run), describe(cfg), diff))
+                    rows.append((graph_ms(run), describe(cfg), diff, cfg))
                 except Exception as e:  # a tile the kernel cannot build (shared memory, shapes)
-                    rows.append((float("inf"), describe(cfg), type(e).__name__))
+                    rows.append((float("inf"), describe(cfg), type(e).__name__, cfg))
             t.configs = [picked[name]]  # the next kernel's candidates run beside this one's pick
             rows.sort(key=lambda r: r[0])
-            if shape == args.shapes[0]:  # a candidate 1% faster than fla-core's pick, else the pick
-                faster = rows[0][0] < 0.99 * base
-                best[name] = next(c for c in candidates(name, args.quick) if describe(c) == rows[0][1]) \
-                    if faster else picked[name]
+            faster = rows[0][0] < 0.99 * base
+            best.setdefault(name, {})[T] = (rows[0][3], True) if faster else (picked[name], False)
             print(f"  {name}: picked {describe(picked[name])}; best " + "; ".join(
-                f"{d} {ms:.4f} ({ms - base:+.4f}, diff {diff})" for ms, d, diff in rows[:4]), flush=True)
-            print("     all: " + ", ".join(f"{d} {ms:.4f}" for ms, d, _ in rows), flush=True)
+                f"{d} {ms:.4f} ({ms - base:+.4f}, diff {diff})" for ms, d, diff, _ in rows[:4]), flush=True)
+            print("     all: " + ", ".join(f"{d} {ms:.4f}" for ms, d, _, _ in rows), flush=True)
 
     if args.out:
-        fla_launch.save(args.out, torch.cuda.get_device_name(), best)
+        buckets = {name: row_buckets({T: cfg for T, (cfg, _) in by_rows.items()})
+                   for name, by_rows in best.items() if any(faster for _, faster in by_rows.values())}
+        fla_launch.LaunchTable(torch.cuda.get_device_name(), buckets).save(args.out)
         print(f"wrote {args.out}")
 
 

@@ -38,22 +38,33 @@ def same(a: triton.Config, b: triton.Config) -> bool:
 
 
 @pytest.fixture
-def configs():
-    return {"h": triton.Config({"BV": 16}, num_warps=4, num_stages=2),
-            "wu": triton.Config({}, num_warps=2, num_stages=3)}
+def table():
+    return fla_launch.LaunchTable("Some GPU", {
+        "h": [(0, triton.Config({"BV": 64}, num_warps=4, num_stages=2)),
+              (2048, triton.Config({"BV": 16}, num_warps=4, num_stages=3))],
+        "wu": [(0, triton.Config({}, num_warps=2, num_stages=3))]})
 
 
-def test_table_round_trip_pin_and_unpin(tmp_path, configs, kernels):
+def test_rows_pick_the_bucket(table):
+    """A call's longest lane picks the last bucket starting at or below its rows."""
+    for rows, bv in ((1, 64), (2047, 64), (2048, 16), (100_000, 16)):
+        configs = table.configs(rows)
+        assert configs["h"].kwargs == {"BV": bv} and configs["wu"].num_warps == 2
+
+
+def test_table_round_trip_pin_and_unpin(tmp_path, table, kernels):
     path = tmp_path / "t.json"
-    fla_launch.save(path, "Some GPU", configs)
-    loaded = fla_launch.load(path)
-    assert loaded.keys() == configs.keys() and all(same(loaded[n], configs[n]) for n in configs)
+    table.save(path)
+    loaded = fla_launch.LaunchTable.load(path)
+    assert loaded.device == "Some GPU" and loaded.buckets.keys() == table.buckets.keys()
+    for name, entries in table.buckets.items():
+        assert [r for r, _ in loaded.buckets[name]] == [r for r, _ in entries]
+        assert all(same(a, b) for (_, a), (_, b) in zip(loaded.buckets[name], entries))
     own = {name: fla_launch.autotuner(name).configs for name in fla_launch.KERNELS}
-    before = fla_launch.pin(loaded)
+    before = fla_launch.pin(loaded.configs(4096))
     try:
-        for name in fla_launch.KERNELS:
-            now = fla_launch.autotuner(name).configs
-            assert (len(now) == 1 and same(now[0], loaded[name])) if name in loaded else now is own[name]
+        now = fla_launch.autotuner("h").configs
+        assert len(now) == 1 and now[0].kwargs == {"BV": 16}
     finally:
         fla_launch.unpin(before)
     assert all(fla_launch.autotuner(name).configs is own[name] for name in fla_launch.KERNELS)
@@ -61,75 +72,90 @@ def test_table_round_trip_pin_and_unpin(tmp_path, configs, kernels):
 
 def test_bad_tables_name_the_file(tmp_path, kernels):
     bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError, match="bad.json: not an fla-core launch table"):
-        fla_launch.load(bad)
-    bad.write_text(json.dumps({"device": "x", "configs": {"nope": {"kwargs": {}, "num_warps": 4, "num_stages": 2}}}))
-    with pytest.raises(ValueError, match="unknown kernel 'nope'"):
-        fla_launch.load(bad)
-    bad.write_text(json.dumps({"device": "x", "configs": {"h": {"kwargs": {"BV": 16}}}}))
-    with pytest.raises(ValueError, match="not an fla-core launch table"):
-        fla_launch.load(bad)
+    entry = {"min_rows": 0, "kwargs": {}, "num_warps": 4, "num_stages": 2}
+    for text, match in (("{not json", "bad.json: not an fla-core launch table"),
+                        (json.dumps({"device": "x", "configs": {"nope": [entry]}}), "unknown kernel 'nope'"),
+                        (json.dumps({"device": "x", "configs": {"h": [{**entry, "min_rows": 64}]}}), "start at 0"),
+                        (json.dumps({"device": "x", "configs": {"h": [entry, entry]}}), "increase"),
+                        (json.dumps({"device": "x", "configs": {"h": [{"min_rows": 0, "kwargs": {}}]}}),
+                         "not an fla-core launch table")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            fla_launch.LaunchTable.load(bad)
 
 
-def test_the_environment_chooses_the_table(tmp_path, monkeypatch, configs, kernels):
-    """off: fla-core's autotuner; a path: that table, pinned once per process; no table for the device:
-    nothing pinned."""
+def test_the_environment_chooses_the_table(tmp_path, monkeypatch, table, kernels):
+    """off: fla-core's autotuner; no table for the device: the same; a path: that table, read once per
+    process, its bucket for each call's rows."""
     path = tmp_path / "t.json"
-    fla_launch.save(path, "Some GPU", configs)
+    table.save(path)
     own = {name: fla_launch.autotuner(name).configs for name in fla_launch.KERNELS}
     try:
-        monkeypatch.setenv("DELTAFLASH_FLA_TILES", "off")
-        fla_launch.pin_for.cache_clear()
-        assert "autotuner" in fla_launch.pin_for("Some GPU") and fla_launch.autotuner("h").configs is own["h"]
-        monkeypatch.delenv("DELTAFLASH_FLA_TILES")
-        fla_launch.pin_for.cache_clear()
-        assert "no table" in fla_launch.pin_for("No Such GPU 9000") and fla_launch.autotuner("h").configs is own["h"]
+        for env, device in (("off", "Some GPU"), (None, "No Such GPU 9000")):
+            if env is None:
+                monkeypatch.delenv("DELTAFLASH_FLA_TILES")
+            else:
+                monkeypatch.setenv("DELTAFLASH_FLA_TILES", env)
+            fla_launch.device_launch_table.cache_clear()
+            fla_launch.select(device, 4096)
+            assert fla_launch.device_launch_table(device) is None and fla_launch.autotuner("h").configs is own["h"]
         monkeypatch.setenv("DELTAFLASH_FLA_TILES", str(path))
-        fla_launch.pin_for.cache_clear()
-        assert fla_launch.pin_for("Some GPU") == str(path)
-        assert same(fla_launch.autotuner("h").configs[0], configs["h"])
-        fla_launch.autotuner("h").configs = own["h"]
-        assert fla_launch.pin_for("Some GPU") == str(path) and fla_launch.autotuner("h").configs is own["h"]  # once
+        fla_launch.device_launch_table.cache_clear()
+        for rows, bv in ((64, 64), (4096, 16), (512, 64)):
+            fla_launch.select("Some GPU", rows)
+            assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": bv}
+        path.unlink()  # read once: the process keeps the table it read
+        fla_launch.select("Some GPU", 4096)
+        assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": 16}
     finally:
         fla_launch.unpin(own)
-        fla_launch.pin_for.cache_clear()
+        fla_launch.device_launch_table.cache_clear()
 
 
 def test_every_shipped_table_loads_and_is_found_by_its_devices_name():
     for path in sorted(fla_launch.TABLES.glob("*.json")):
-        device = json.loads(path.read_text())["device"]
-        assert device_table(fla_launch.TABLES, device) == path
-        assert set(fla_launch.load(path)) <= set(fla_launch.KERNELS)
+        table = fla_launch.LaunchTable.load(path)
+        assert device_table(fla_launch.TABLES, table.device) == path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's kernels need CUDA")
-def test_a_pinned_config_runs_and_agrees_with_fla_cores_pick():
-    """The chunked rule at a small GVA shape, fla-core's own pick, then a table pinning configs outside
-    its lists (BV 16 for the state kernel, 8 warps for the output one): the pinned configs are the ones
-    that ran, and the outputs agree within bf16 rounding."""
+def test_a_table_runs_its_bucket_and_agrees_with_fla_cores_pick(tmp_path, monkeypatch):
+    """The chunked rule at a small GVA shape under fla-core's autotuner, then under a table whose buckets
+    pin configs outside its lists (BV 16 for the state kernel; 8 warps for the output one from 128 rows):
+    each call runs its bucket's configs, and the outputs agree within bf16 rounding."""
     from deltaflash.ops.gdn.chunk import _fla
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    L, T, nk, nv, d = 2, 200, 2, 4, 64
+    L, nk, nv, d = 2, 2, 4, 64
 
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=g)
+    def args(T):
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=g)
+        q, k = (torch.nn.functional.normalize(randn(L, T, nk, d), dim=-1).bfloat16() for _ in range(2))
+        return (q, k, randn(L, T, nv, d).bfloat16(), randn(L, T, nv).bfloat16(), randn(L, T, nv).bfloat16(),
+                torch.rand(nv, device="cuda").log(), randn(nv), randn(L, nv, d, d) * 0.1, T)
 
-    q, k = (torch.nn.functional.normalize(randn(L, T, nk, d), dim=-1).bfloat16() for _ in range(2))
-    args = (q, k, randn(L, T, nv, d).bfloat16(), randn(L, T, nv).bfloat16(), randn(L, T, nv).bfloat16(),
-            torch.rand(nv, device="cuda").log(), randn(nv), randn(L, nv, d, d) * 0.1)
+    C = triton.Config
+    table = fla_launch.LaunchTable(torch.cuda.get_device_name(), {
+        "h": [(0, C({"BV": 16}, num_warps=2, num_stages=2))],
+        "o": [(0, C({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)), (128, C({"BK": 64, "BV": 32}, num_warps=8,
+                                                                                 num_stages=2))]})
+    table.save(tmp_path / "t.json")
     own = {name: fla_launch.autotuner(name).configs for name in fla_launch.KERNELS}
     try:
-        fla_launch.unpin(own)
-        ref = _fla(*args)
-        table = {"h": triton.Config({"BV": 16}, num_warps=2, num_stages=2),
-                 "o": triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2)}
-        fla_launch.pin(table)
-        out = _fla(*args)
-        for name, config in table.items():
-            assert same(fla_launch.autotuner(name).best_config, config)
-        torch.testing.assert_close(out[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(out[1], ref[1], atol=1e-3, rtol=1e-3)
+        for T in (100, 200):
+            x = args(T)
+            monkeypatch.setenv("DELTAFLASH_FLA_TILES", "off")
+            fla_launch.device_launch_table.cache_clear()
+            fla_launch.unpin(own)
+            ref = _fla(*x)
+            monkeypatch.setenv("DELTAFLASH_FLA_TILES", str(tmp_path / "t.json"))
+            fla_launch.device_launch_table.cache_clear()
+            out = _fla(*x)
+            for name, config in table.configs(T).items():
+                assert same(fla_launch.autotuner(name).best_config, config), (T, name)
+            torch.testing.assert_close(out[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out[1], ref[1], atol=1e-3, rtol=1e-3)
     finally:
         fla_launch.unpin(own)
+        fla_launch.device_launch_table.cache_clear()

@@ -64,7 +64,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states,
             cu_seqlens_host = torch.tensor([0] + list(seq_lens)).cumsum(0)
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_host.to(q.device)
-        o, final = _fla(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias, initial_states,
+        o, final = _fla(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias, initial_states, max(seq_lens),
                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
         return o[0], final
     g, beta = gdn_gates(a, b, A_log, dt_bias)
@@ -91,7 +91,7 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     Returns (o [L, T, H, dv] in v's dtype, garbage at padding rows; final_states [L, H, dk, dv] fp32)."""
     a, b = (torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b))
     if q.is_cuda:
-        return _fla(q, k, v, a, b, A_log, dt_bias, initial_states)
+        return _fla(q, k, v, a, b, A_log, dt_bias, initial_states, q.shape[1])
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     q, k = (value_heads(x, v.shape[-2]) for x in (q, k))
     q = q.float() * q.shape[-1] ** -0.5
@@ -99,13 +99,13 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     return torch.stack([o for o, _ in outs]).to(v.dtype), torch.stack([s for _, s in outs])
 
 
-def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, **varlen):
+def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, rows: int, **varlen):
     """fla-core's chunked rule on [B, T, H, d] rows, its gate (-exp(A_log) softplus(a + dt_bias), summed
-    per chunk) and beta sigmoid computed in its kernels; launched with this device's configs where a
-    table ships (fla_launch.py)."""
+    per chunk) and beta sigmoid computed in its kernels; launched with this device's configs for `rows`
+    (the longest sequence's rows) where a table ships (fla_launch.py)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    fla_launch.pin_for(torch.cuda.get_device_name(q.device))
+    fla_launch.select(torch.cuda.get_device_name(q.device), rows)
     o, final = chunk_gated_delta_rule(
         q, k, v, a, b, scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,

@@ -1,13 +1,19 @@
-"""Launch configs for fla-core's chunked gated-delta-rule kernels (the GDN prefill), per device.
+"""Launch configs for fla-core's chunked gated-delta-rule kernels (the GDN prefill), per device and by rows.
 
 fla-core autotunes each of its kernels once per process over a short list of configs, keyed by head counts
 and dims but not by the rows: whichever prefill shape comes first picks the config every later shape
-runs, and its lists leave out tiles that do better at the 9B layer (bench/tune_fla.py measures them). A
-table tuned on a device ships as tiles/<device slug>.json; `pin` makes each named kernel run its
-table config - fla-core's own kernels and arithmetic, launched with that config, with no autotuning.
+runs. The best config does depend on the rows: the state kernel walks a lane's chunks one after another,
+and a deeper load pipeline (more stages) that pays over 32 chunks of a 2048-row prompt costs a quarter
+more on a 64-row chunk (bench/tune_fla.py). A table tuned on a device ships as tiles/<device slug>.json
+and gives each kernel it names a config per row bucket; `select(rows)` makes the named kernels run the
+configs of the bucket of a call whose longest lane has `rows` rows - fla-core's own kernels and
+arithmetic, launched with that config, with no autotuning. Kernels the table leaves out keep fla-core's
+autotuner.
 
-Table format: {"device": name, "configs": {kernel: {"kwargs": {...}, "num_warps": w, "num_stages": s}}},
-kernel one of KERNELS' names. DELTAFLASH_FLA_TILES=PATH uses another table, =off none (fla-core's autotuner).
+Table format: {"device": name, "configs": {kernel: [{"min_rows": r, "kwargs": {...}, "num_warps": w,
+"num_stages": s}, ...]}}, kernel one of KERNELS' names, the first entry's min_rows 0, then increasing; a
+call uses the last entry whose min_rows <= its rows. DELTAFLASH_FLA_TILES=PATH uses another table, =off
+none (fla-core's autotuner).
 """
 
 from __future__ import annotations
@@ -41,38 +47,50 @@ def autotuner(name: str):
     return kernel
 
 
-def load(path: str | Path) -> dict:
-    """{kernel name: triton.Config} of a table file; ValueError naming the file if it is not one."""
-    import triton
+class LaunchTable:
+    """{kernel name: [(min_rows, triton.Config), ...]} (min_rows increasing from 0)."""
 
-    try:
-        data = json.loads(Path(path).read_text())
-        configs = {}
-        for name, c in data["configs"].items():
+    def __init__(self, device: str, buckets: dict):
+        for name, entries in buckets.items():
             if name not in KERNELS:
                 raise KeyError(f"unknown kernel {name!r} (known: {', '.join(KERNELS)})")
-            configs[name] = triton.Config(dict(c["kwargs"]), num_warps=int(c["num_warps"]),
-                                          num_stages=int(c["num_stages"]))
-        return configs
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not an fla-core launch table ({type(e).__name__}: {e})") from e
+            rows = [r for r, _ in entries]
+            if not rows or rows[0] != 0 or rows != sorted(set(rows)):
+                raise ValueError(f"{name}: min_rows {rows} must start at 0 and increase")
+        self.device, self.buckets = device, buckets
 
+    def configs(self, rows: int) -> dict:
+        """Each kernel's config for a call whose longest lane has `rows` rows."""
+        return {name: next(c for r, c in reversed(entries) if r <= rows) for name, entries in self.buckets.items()}
 
-def save(path: str | Path, device: str, configs: dict) -> None:
-    table = {name: {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
-             for name, c in sorted(configs.items())}
-    Path(path).write_text(json.dumps({"device": device, "configs": table}, indent=1) + "\n")
+    @classmethod
+    def load(cls, path: str | Path) -> LaunchTable:
+        """A table file; ValueError naming the file if it is not one."""
+        import triton
+
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(str(data["device"]), {
+                name: [(int(e["min_rows"]), triton.Config(dict(e["kwargs"]), num_warps=int(e["num_warps"]),
+                                                          num_stages=int(e["num_stages"]))) for e in entries]
+                for name, entries in data["configs"].items()})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not an fla-core launch table ({type(e).__name__}: {e})") from e
+
+    def save(self, path: str | Path) -> None:
+        table = {name: [{"min_rows": r, "kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
+                        for r, c in entries] for name, entries in sorted(self.buckets.items())}
+        Path(path).write_text(json.dumps({"device": self.device, "configs": table}, indent=1) + "\n")
 
 
 def pin(configs: dict) -> dict:
-    """Run each named kernel with its config from now on (this process). Returns the config lists it
-    replaced, for `unpin`."""
+    """Run each named kernel with its config (a triton.Config) from now on, in this process. Returns the
+    config lists it replaced, for `unpin`."""
     before = {}
     for name, config in configs.items():
         tuner = autotuner(name)
         before[name] = tuner.configs
-        tuner.configs = [config]
-        tuner.cache.clear()
+        tuner.configs = [config]  # one config: the autotuner launches it, no benchmarking
     return before
 
 
@@ -84,14 +102,21 @@ def unpin(before: dict) -> None:
 
 
 @functools.cache
-def pin_for(device_name: str) -> str:
-    """Pin the table for this device once per process (DELTAFLASH_FLA_TILES, else the bundled one, if
-    any). Returns where the configs came from."""
+def device_launch_table(device_name: str) -> LaunchTable | None:
+    """The table for this device, once per process: DELTAFLASH_FLA_TILES's path, else the bundled one, if
+    any (None: fla-core's autotuner)."""
     choice = os.environ.get("DELTAFLASH_FLA_TILES", "")
     if choice == "off":
-        return "fla-core's autotuner (DELTAFLASH_FLA_TILES=off)"
+        return None
     path = Path(choice) if choice else device_table(TABLES, device_name)
     if not choice and not path.is_file():
-        return "fla-core's autotuner (no table for this device)"
-    pin(load(path))
-    return str(path)
+        return None
+    return LaunchTable.load(path)
+
+
+def select(device_name: str, rows: int) -> None:
+    """Before a chunked-rule call on this device whose longest lane has `rows` rows: its table's configs
+    for that many rows (nothing without a table)."""
+    table = device_launch_table(device_name)
+    if table is not None:
+        pin(table.configs(rows))

@@ -9,7 +9,7 @@
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks graphlaunch9b gemmgraphs swiglu
-# tunefla
+# tunefla ttfttable demodefault (bench/h200_owed.sh runs the figures the issues still owe, in three calls)
 # (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
@@ -206,6 +206,10 @@ for step in "$@"; do
                           --out "$OUT/tree$budget" --quiet
                   done ;;
         model) run model 420 python3 -m deltaflash bench model --decode-batches 1 8 --json "$OUT/model.json" ;;
+        ttfttable) run ttfttable 300 python3 -m deltaflash bench model --decode-batches 1 \
+                       --ttft-tokens 64 256 1024 2048 8192 32768 --json "$OUT/model.json" ;;  # issue 15's TTFT table
+        demodefault) run demodefault 150 python3 -m deltaflash bench e2e --workload demo --prompts 16 \
+                         --concurrency 1 4 16 64 --no-profile --out "$OUT/demo" --quiet ;;  # demo pair, serve defaults
         ttft) for off in 0 1; do  # one 173-token prompt's TTFT with prefill graphs and without (demo pair)
                   DELTAFLASH_NO_PREFILL_GRAPHS=$off run ttft 90 python3 bench/step_profile.py --ttft 173 --steps 20
               done ;;

@@ -47,9 +47,9 @@ def table():
 
 def test_rows_pick_the_bucket(table):
     """A call's longest lane picks the last bucket starting at or below its rows."""
-    for rows, bv in ((1, 64), (2047, 64), (2048, 16), (100_000, 16)):
+    for rows, bv, bound in ((1, 64, 0), (2047, 64, 0), (2048, 16, 2048), (100_000, 16, 2048)):
         configs = table.configs(rows)
-        assert configs["h"].kwargs == {"BV": bv} and configs["wu"].num_warps == 2
+        assert configs["h"].kwargs == {"BV": bv} and configs["wu"].num_warps == 2 and table.bound(rows) == bound
 
 
 def test_table_round_trip_pin_and_unpin(tmp_path, table, kernels):
@@ -104,6 +104,10 @@ def test_the_environment_chooses_the_table(tmp_path, monkeypatch, table, kernels
         for rows, bv in ((64, 64), (4096, 16), (512, 64)):
             fla_launch.select("Some GPU", rows)
             assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": bv}
+        fla_launch.autotuner("h").configs = own["h"]
+        fla_launch.select("Some GPU", 1000)  # the same bucket as the last call's: nothing pinned again
+        assert fla_launch.autotuner("h").configs is own["h"]
+        fla_launch.select("Some GPU", 4096)
         path.unlink()  # read once: the process keeps the table it read
         fla_launch.select("Some GPU", 4096)
         assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": 16}

@@ -18,6 +18,7 @@ none (fla-core's autotuner).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib
 import json
@@ -58,10 +59,16 @@ class LaunchTable:
             if not rows or rows[0] != 0 or rows != sorted(set(rows)):
                 raise ValueError(f"{name}: min_rows {rows} must start at 0 and increase")
         self.device, self.buckets = device, buckets
+        self.bounds = sorted({r for entries in buckets.values() for r, _ in entries})  # where any config changes
+        self.applied = None  # the bound whose configs `select` pinned last
 
     def configs(self, rows: int) -> dict:
         """Each kernel's config for a call whose longest lane has `rows` rows."""
         return {name: next(c for r, c in reversed(entries) if r <= rows) for name, entries in self.buckets.items()}
+
+    def bound(self, rows: int) -> int:
+        """The largest bucket start <= rows: calls of equal bound run equal configs."""
+        return self.bounds[bisect.bisect_right(self.bounds, rows) - 1]
 
     @classmethod
     def load(cls, path: str | Path) -> LaunchTable:
@@ -116,7 +123,9 @@ def device_launch_table(device_name: str) -> LaunchTable | None:
 
 def select(device_name: str, rows: int) -> None:
     """Before a chunked-rule call on this device whose longest lane has `rows` rows: its table's configs
-    for that many rows (nothing without a table)."""
+    for that many rows (nothing without a table), pinned only when the call's bucket differs from the last
+    call's (nothing else sets these kernels' configs in a serving process)."""
     table = device_launch_table(device_name)
-    if table is not None:
+    if table is not None and table.bound(rows) != table.applied:  # (a prefill's layers: pinned once)
         pin(table.configs(rows))
+        table.applied = table.bound(rows)

@@ -15,7 +15,6 @@ lane up), with that shape's best config (fla-core's pick where none beat it).
 
 import argparse
 import itertools
-import os
 
 import torch
 import triton
@@ -92,7 +91,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer candidates per kernel")
     p.add_argument("--out", default=None, help="write a launch table of the best configs by rows here")
     args = p.parse_args()
-    os.environ["DELTAFLASH_FLA_TILES"] = "off"  # the candidates below set the configs, not a bundled table
+    fla_launch.use(None)  # (no engine here: the candidates below set the configs)
     tuners = {name: fla_launch.autotuner(name) for name in fla_launch.KERNELS}
     best = {}  # kernel -> {rows per lane: (config, beats fla-core's pick by 1%)}
     own = {name: list(t.configs) for name, t in tuners.items()}

@@ -1,6 +1,7 @@
 """fla-core launch tables (deltaflash/ops/gdn/fla_launch.py): a table's round trip, clear errors for bad
-tables, pinning and unpinning the kernels' configs, the environment's choice, each shipped table; on CUDA,
-the chunked rule under a pinned table runs that config and agrees with fla-core's own pick."""
+tables, pinning and unpinning the kernels' configs, the active table's bucket per call, the engine option's
+resolution (EngineConfig.fla_tiles, DELTAFLASH_FLA_TILES), each shipped table; on CUDA, the chunked rule
+under a table runs its bucket's configs and agrees with fla-core's own pick."""
 
 import json
 
@@ -9,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaflash.engine.config import EngineConfig
+from deltaflash.errors import DeltaflashError
 from deltaflash.ops.gdn import fla_launch
 from deltaflash.ops.tables import device_table
 
@@ -84,36 +87,50 @@ def test_bad_tables_name_the_file(tmp_path, kernels):
             fla_launch.LaunchTable.load(bad)
 
 
-def test_the_environment_chooses_the_table(tmp_path, monkeypatch, table, kernels):
-    """off: fla-core's autotuner; no table for the device: the same; a path: that table, read once per
-    process, its bucket for each call's rows."""
-    path = tmp_path / "t.json"
-    table.save(path)
+def test_the_active_table_pins_each_calls_bucket(table, kernels):
+    """use(table): each call pins its rows' bucket (once per change of bucket); use(None): fla-core's lists
+    again."""
     own = {name: fla_launch.autotuner(name).configs for name in fla_launch.KERNELS}
     try:
-        for env, device in (("off", "Some GPU"), (None, "No Such GPU 9000")):
-            if env is None:
-                monkeypatch.delenv("DELTAFLASH_FLA_TILES")
-            else:
-                monkeypatch.setenv("DELTAFLASH_FLA_TILES", env)
-            fla_launch.device_launch_table.cache_clear()
-            fla_launch.select(device, 4096)
-            assert fla_launch.device_launch_table(device) is None and fla_launch.autotuner("h").configs is own["h"]
-        monkeypatch.setenv("DELTAFLASH_FLA_TILES", str(path))
-        fla_launch.device_launch_table.cache_clear()
+        fla_launch.use(table)
         for rows, bv in ((64, 64), (4096, 16), (512, 64)):
-            fla_launch.select("Some GPU", rows)
+            fla_launch.select(rows)
             assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": bv}
         fla_launch.autotuner("h").configs = own["h"]
-        fla_launch.select("Some GPU", 1000)  # the same bucket as the last call's: nothing pinned again
+        fla_launch.select(1000)  # the same bucket as the last call's: nothing pinned again
         assert fla_launch.autotuner("h").configs is own["h"]
-        fla_launch.select("Some GPU", 4096)
-        path.unlink()  # read once: the process keeps the table it read
-        fla_launch.select("Some GPU", 4096)
+        fla_launch.select(4096)
         assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": 16}
+        fla_launch.use(None)
+        assert all(fla_launch.autotuner(name).configs is own[name] for name in fla_launch.KERNELS)
+        fla_launch.select(4096)
+        assert fla_launch.autotuner("h").configs is own["h"]
     finally:
+        fla_launch.use(None)
         fla_launch.unpin(own)
-        fla_launch.device_launch_table.cache_clear()
+
+
+def test_the_engine_option_resolves_the_table(tmp_path, monkeypatch, table):
+    """auto: DELTAFLASH_FLA_TILES if set, else the table shipped for the CUDA device, none elsewhere; a path
+    is checked wherever it is given; off: none."""
+    path = tmp_path / "t.json"
+    table.save(path)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().resolve(cpu, None, env={}).fla_tiles == "off"
+    assert EngineConfig(fla_tiles=str(path)).resolve(cpu, None, env={}).fla_tiles == "off"  # (the torch reference)
+    for given, env in ((str(tmp_path / "missing.json"), {}), ("auto", {"DELTAFLASH_FLA_TILES": str(tmp_path)})):
+        with pytest.raises(DeltaflashError, match="not an fla-core launch table"):
+            EngineConfig(fla_tiles=given).resolve(cpu, None, env=env)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolving for a CUDA device (nothing runs)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    shipped = str(device_table(fla_launch.TABLES, "NVIDIA H100 80GB HBM3"))
+    for given, env, want in (("auto", {}, shipped), ("auto", {"DELTAFLASH_FLA_TILES": "off"}, "off"),
+                             ("auto", {"DELTAFLASH_FLA_TILES": str(path)}, str(path)), (str(path), {}, str(path)),
+                             ("off", {"DELTAFLASH_FLA_TILES": str(path)}, "off")):
+        config = EngineConfig(fla_tiles=given, cuda_graphs=False)
+        assert config.resolve(cuda, None, env=env).fla_tiles == want, (given, env)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "No Such GPU 9000")
+    assert EngineConfig(cuda_graphs=False).resolve(cuda, None, env={}).fla_tiles == "off"
 
 
 def test_every_shipped_table_loads_and_is_found_by_its_devices_name():
@@ -123,7 +140,7 @@ def test_every_shipped_table_loads_and_is_found_by_its_devices_name():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's kernels need CUDA")
-def test_a_table_runs_its_bucket_and_agrees_with_fla_cores_pick(tmp_path, monkeypatch):
+def test_a_table_runs_its_bucket_and_agrees_with_fla_cores_pick():
     """The chunked rule at a small GVA shape under fla-core's autotuner, then under a table whose buckets
     pin configs outside its lists (BV 16 for the state kernel; 8 warps for the output one from 128 rows):
     each call runs its bucket's configs, and the outputs agree within bf16 rounding."""
@@ -144,22 +161,16 @@ def test_a_table_runs_its_bucket_and_agrees_with_fla_cores_pick(tmp_path, monkey
         "h": [(0, C({"BV": 16}, num_warps=2, num_stages=2))],
         "o": [(0, C({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)), (128, C({"BK": 64, "BV": 32}, num_warps=8,
                                                                                  num_stages=2))]})
-    table.save(tmp_path / "t.json")
-    own = {name: fla_launch.autotuner(name).configs for name in fla_launch.KERNELS}
     try:
         for T in (100, 200):
             x = args(T)
-            monkeypatch.setenv("DELTAFLASH_FLA_TILES", "off")
-            fla_launch.device_launch_table.cache_clear()
-            fla_launch.unpin(own)
+            fla_launch.use(None)
             ref = _fla(*x)
-            monkeypatch.setenv("DELTAFLASH_FLA_TILES", str(tmp_path / "t.json"))
-            fla_launch.device_launch_table.cache_clear()
+            fla_launch.use(table)
             out = _fla(*x)
             for name, config in table.configs(T).items():
                 assert same(fla_launch.autotuner(name).best_config, config), (T, name)
             torch.testing.assert_close(out[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(out[1], ref[1], atol=1e-3, rtol=1e-3)
     finally:
-        fla_launch.unpin(own)
-        fla_launch.device_launch_table.cache_clear()
+        fla_launch.use(None)

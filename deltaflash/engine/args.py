@@ -66,6 +66,10 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="products of rounds of at most 64 rows through a split-K Triton GEMM where a table tuned on "
                         "the device (bench/tune_skinny.py) measured it faster than cuBLAS: auto (default) = the "
                         "table shipped for this GPU, if any; off = cuBLAS; or the path of a table")
+    p.add_argument("--fla-tiles", default="auto", metavar="auto|off|TABLE",
+                   help="launch configs of fla-core's chunked prefill kernels by rows (bench/tune_fla.py): auto "
+                        "(default) = $DELTAFLASH_FLA_TILES if set, else the table shipped for this GPU, if any; off = "
+                        "fla-core's autotuner; or the path of a table")
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +99,7 @@ def speculation_config(args) -> dict:
 
 def kernel_config(args) -> dict:
     """The EngineConfig fields of `add_kernel_args`' flags."""
-    return {"batch_invariant": args.batch_invariant, "skinny_gemm": args.skinny_gemm}
+    return {"batch_invariant": args.batch_invariant, "skinny_gemm": args.skinny_gemm, "fla_tiles": args.fla_tiles}
 
 
 def scheduler_config(args) -> dict:
@@ -161,6 +165,13 @@ def check_engine_flags(args) -> None:
             SkinnyGemms.load(args.skinny_gemm)
         except ValueError as e:
             raise DeltaflashError(f"--skinny-gemm {e}") from None
+    if args.fla_tiles not in ("auto", "off"):
+        from deltaflash.ops.gdn.fla_launch import LaunchTable
+
+        try:
+            LaunchTable.load(args.fla_tiles)
+        except ValueError as e:
+            raise DeltaflashError(f"--fla-tiles {e}") from None
 
 
 def check_scheduler_flags(args) -> None:

@@ -25,6 +25,7 @@ ENV_NO_FUSED_KERNELS = "DELTAFLASH_NO_FUSED_KERNELS"
 ENV_NO_CUDA_GRAPHS = "DELTAFLASH_NO_CUDA_GRAPHS"
 ENV_NO_PREFILL_GRAPHS = "DELTAFLASH_NO_PREFILL_GRAPHS"
 ENV_NO_ROUND_GRAPHS = "DELTAFLASH_NO_ROUND_GRAPHS"
+ENV_FLA_TILES = "DELTAFLASH_FLA_TILES"
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:
@@ -104,6 +105,10 @@ class EngineConfig:
         cuBLAS (graph replays: device time): "auto" = the table shipped for this CUDA device
         (ops/gemm/tiles/) when rounds replay CUDA graphs, none if there is none; "off" = cuBLAS everywhere;
         else the path of a table. Off for a batch-invariant engine.
+    fla_tiles: launch configs of fla-core's chunked prefill kernels by rows (ops/gdn/fla_launch.py; fla-core
+        autotunes once per process at whatever shape comes first): "auto" = DELTAFLASH_FLA_TILES (a path or
+        "off") if set, else the table shipped for this CUDA device (ops/gdn/tiles/), none if there is none;
+        "off" = fla-core's autotuner; else the path of a table. Off on the CPU (the torch reference).
     tensor_parallel_size: ranks the target is sharded over (set by the engine from its TensorParallel,
         parallel/launch.py); above 1 speculation is fixed ("auto" resolves to it, "adaptive" is refused:
         widths chosen from each rank's own timings would part the ranks).
@@ -128,6 +133,7 @@ class EngineConfig:
     prefill_graphs: bool | None = None
     batch_invariant: bool = False
     skinny_gemm: str = "auto"
+    fla_tiles: str = "auto"
     round_graphs: bool | None = None
     sync_phase_timing: bool = False
     tensor_parallel_size: int = 1
@@ -195,6 +201,7 @@ class EngineConfig:
                 raise DeltaflashError(f"a tree of {self.tree_budget} nodes does not fit {block - 1} depths of "
                                       f"{self.tree_top_k} candidates")
         skinny_gemm = self._skinny_gemm(device, env, graphs)
+        fla_tiles = self._fla_tiles(device, env)
         tree_max_lanes = 1 if self.tree_max_lanes is None and self.tensor_parallel_size > 1 else self.tree_max_lanes
         if self.max_prefill_stall < 0:
             raise DeltaflashError(f"max_prefill_stall must be >= 0 (0: off), got {self.max_prefill_stall}")
@@ -205,7 +212,7 @@ class EngineConfig:
         scale = block > 1 and self.tensor_parallel_size == 1 if self.scale_prefill_budget is None \
             else self.scale_prefill_budget and block > 1
         return dataclasses.replace(self, kernels=kernels, cuda_graphs=graphs, prefill_graphs=prefill_graphs,
-                                   scale_prefill_budget=scale, skinny_gemm=skinny_gemm,
+                                   scale_prefill_budget=scale, skinny_gemm=skinny_gemm, fla_tiles=fla_tiles,
                                    round_graphs=round_graphs, tree_max_lanes=tree_max_lanes,
                                    block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len,
@@ -233,6 +240,23 @@ class EngineConfig:
         except ValueError as e:
             raise DeltaflashError(f"skinny_gemm: {e}") from None
         return self.skinny_gemm
+
+    def _fla_tiles(self, device: torch.device, env: Mapping[str, str]) -> str:
+        """fla_tiles resolved to "off" or the path of a table that loads (a path given is checked anywhere)."""
+        from deltaflash.ops.gdn.fla_launch import LaunchTable, bundled_table
+
+        choice = (env.get(ENV_FLA_TILES) or "auto") if self.fla_tiles == "auto" else self.fla_tiles
+        if choice not in ("auto", "off"):
+            try:
+                LaunchTable.load(choice)
+            except ValueError as e:
+                raise DeltaflashError(f"fla_tiles: {e}") from None
+        if choice == "off" or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            return "off"  # (the last: a config resolved for CUDA on a machine without one, in tests)
+        if choice == "auto":
+            table = bundled_table(torch.cuda.get_device_name(device))
+            return "off" if table is None else str(table)
+        return choice
 
     @property
     def round_prefill_tokens(self) -> int:

@@ -35,6 +35,7 @@ from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_p
 from deltaflash.engine.scheduler import PrefillChunk, StepPlan
 from deltaflash.models.layers import is_routed, route_products
 from deltaflash.ops.attention import dense as dense_attention
+from deltaflash.ops.gdn import fla_launch
 from deltaflash.ops.gemm.invariant import invariant_linear
 from deltaflash.ops.gemm.skinny import SkinnyGemms
 from deltaflash.ops.kernels import kernels_named
@@ -131,6 +132,8 @@ class ModelRunner:
         for module, product in ((model, invariant_linear if config.batch_invariant else skinny), (drafter, skinny)):
             if module is not None and (product is not None or is_routed(module)):
                 route_products(module, product or F.linear)  # (F.linear: what an earlier engine routed, restored)
+        # fla-core's chunked prefill kernels: this engine's launch table (the process's: fla-core's are)
+        fla_launch.use(fla_launch.LaunchTable.load(config.fla_tiles) if config.fla_tiles != "off" else None)
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
         self.kernels = kernels_named(config.kernels)

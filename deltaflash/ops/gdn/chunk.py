@@ -101,11 +101,11 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
 
 def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, rows: int, **varlen):
     """fla-core's chunked rule on [B, T, H, d] rows, its gate (-exp(A_log) softplus(a + dt_bias), summed
-    per chunk) and beta sigmoid computed in its kernels; launched with this device's configs for `rows`
-    (the longest sequence's rows) where a table ships (fla_launch.py)."""
+    per chunk) and beta sigmoid computed in its kernels; launched with the engine's launch table's configs
+    for `rows` (the longest sequence's rows), if it has one (fla_launch.py)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    fla_launch.select(torch.cuda.get_device_name(q.device), rows)
+    fla_launch.select(rows)
     o, final = chunk_gated_delta_rule(
         q, k, v, a, b, scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,

@@ -12,17 +12,15 @@ autotuner.
 
 Table format: {"device": name, "configs": {kernel: [{"min_rows": r, "kwargs": {...}, "num_warps": w,
 "num_stages": s}, ...]}}, kernel one of KERNELS' names, the first entry's min_rows 0, then increasing; a
-call uses the last entry whose min_rows <= its rows. DELTAFLASH_FLA_TILES=PATH uses another table, =off
-none (fla-core's autotuner).
+call uses the last entry whose min_rows <= its rows. An engine picks the table (EngineConfig.fla_tiles:
+the device's bundled one, another, or none) and makes it the process's with `use`.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import importlib
 import json
-import os
 from pathlib import Path
 
 from deltaflash.ops.tables import device_table
@@ -108,24 +106,32 @@ def unpin(before: dict) -> None:
         tuner.cache.clear()
 
 
-@functools.cache
-def device_launch_table(device_name: str) -> LaunchTable | None:
-    """The table for this device, once per process: DELTAFLASH_FLA_TILES's path, else the bundled one, if
-    any (None: fla-core's autotuner)."""
-    choice = os.environ.get("DELTAFLASH_FLA_TILES", "")
-    if choice == "off":
-        return None
-    path = Path(choice) if choice else device_table(TABLES, device_name)
-    if not choice and not path.is_file():
-        return None
-    return LaunchTable.load(path)
+def bundled_table(device_name: str) -> Path | None:
+    """The table tuned on a device of this name that ships with deltaflash, if any."""
+    path = device_table(TABLES, device_name)
+    return path if path.is_file() else None
 
 
-def select(device_name: str, rows: int) -> None:
-    """Before a chunked-rule call on this device whose longest lane has `rows` rows: its table's configs
-    for that many rows (nothing without a table), pinned only when the call's bucket differs from the last
-    call's (nothing else sets these kernels' configs in a serving process)."""
-    table = device_launch_table(device_name)
+_active: LaunchTable | None = None  # the table `select` reads (fla-core's kernels are the process's)
+_own: dict = {}  # fla-core's config lists of the kernels a table pinned, for `use(None)`
+
+
+def use(table: LaunchTable | None) -> None:
+    """Make `table` the process's (None: fla-core's autotuner for every kernel again)."""
+    global _active
+    unpin(_own)
+    _own.clear()
+    if table is not None:
+        _own.update({name: autotuner(name).configs for name in table.buckets})
+        table.applied = None
+    _active = table
+
+
+def select(rows: int) -> None:
+    """Before a chunked-rule call whose longest lane has `rows` rows: the active table's configs for that
+    many rows (nothing without a table), pinned only when the call's bucket differs from the last call's
+    (nothing else sets these kernels' configs in a serving process)."""
+    table = _active
     if table is not None and table.bound(rows) != table.applied:  # (a prefill's layers: pinned once)
         pin(table.configs(rows))
         table.applied = table.bound(rows)

@@ -23,7 +23,7 @@ import importlib
 import json
 from pathlib import Path
 
-from deltaflash.ops.tables import device_table
+from deltaflash.ops.tables import bundled
 
 TABLES = Path(__file__).parent / "tiles"
 
@@ -108,8 +108,7 @@ def unpin(before: dict) -> None:
 
 def bundled_table(device_name: str) -> Path | None:
     """The table tuned on a device of this name that ships with deltaflash, if any."""
-    path = device_table(TABLES, device_name)
-    return path if path.is_file() else None
+    return bundled(TABLES, device_name)
 
 
 _active: LaunchTable | None = None  # the table `select` reads (fla-core's kernels are the process's)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deltaflash.ops.tables import device_table
+from deltaflash.ops.tables import bundled, device_table
 
 MAX_ROWS = 64                       # more rows than this: compute-bound enough for cuBLAS
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the table's row counts (a call of M rows uses the first >= M)
@@ -191,5 +191,4 @@ def table_path(device_name: str) -> Path:
 
 def bundled_table(device_name: str) -> Path | None:
     """The table tuned on a device of this name that ships with deltaflash, if any."""
-    path = table_path(device_name)
-    return path if path.is_file() else None
+    return bundled(TABLES, device_name)

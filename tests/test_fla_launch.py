@@ -53,6 +53,8 @@ def test_rows_pick_the_bucket(table):
     for rows, bv, bound in ((1, 64, 0), (2047, 64, 0), (2048, 16, 2048), (100_000, 16, 2048)):
         configs = table.configs(rows)
         assert configs["h"].kwargs == {"BV": bv} and configs["wu"].num_warps == 2 and table.bound(rows) == bound
+    empty = fla_launch.LaunchTable("Some GPU", {})  # (what tune_fla writes where nothing beat fla-core's picks)
+    assert empty.configs(4096) == {} and empty.bound(4096) == 0
 
 
 def test_table_round_trip_pin_and_unpin(tmp_path, table, kernels):
@@ -101,6 +103,11 @@ def test_the_active_table_pins_each_calls_bucket(table, kernels):
         assert fla_launch.autotuner("h").configs is own["h"]
         fla_launch.select(4096)
         assert fla_launch.autotuner("h").configs[0].kwargs == {"BV": 16}
+        fla_launch.use(fla_launch.LaunchTable("Some GPU", {}))  # a table naming no kernel: fla-core's lists
+        fla_launch.select(4096)
+        assert all(fla_launch.autotuner(name).configs is own[name] for name in fla_launch.KERNELS)
+        fla_launch.use(table)
+        fla_launch.select(4096)
         fla_launch.use(None)
         assert all(fla_launch.autotuner(name).configs is own[name] for name in fla_launch.KERNELS)
         fla_launch.select(4096)

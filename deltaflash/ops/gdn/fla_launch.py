@@ -57,8 +57,7 @@ class LaunchTable:
             if not rows or rows[0] != 0 or rows != sorted(set(rows)):
                 raise ValueError(f"{name}: min_rows {rows} must start at 0 and increase")
         self.device, self.buckets = device, buckets
-        self.bounds = sorted({r for entries in buckets.values() for r, _ in entries})  # where any config changes
-        self.applied = None  # the bound whose configs `select` pinned last
+        self.bounds = sorted({0} | {r for entries in buckets.values() for r, _ in entries})  # where configs change
 
     def configs(self, rows: int) -> dict:
         """Each kernel's config for a call whose longest lane has `rows` rows."""
@@ -112,25 +111,25 @@ def bundled_table(device_name: str) -> Path | None:
 
 
 _active: LaunchTable | None = None  # the table `select` reads (fla-core's kernels are the process's)
+_pinned: int | None = None  # the bound of the bucket whose configs `select` pinned last
 _own: dict = {}  # fla-core's config lists of the kernels a table pinned, for `use(None)`
 
 
 def use(table: LaunchTable | None) -> None:
     """Make `table` the process's (None: fla-core's autotuner for every kernel again)."""
-    global _active
+    global _active, _pinned
     unpin(_own)
     _own.clear()
     if table is not None:
         _own.update({name: autotuner(name).configs for name in table.buckets})
-        table.applied = None
-    _active = table
+    _active, _pinned = table, None
 
 
 def select(rows: int) -> None:
     """Before a chunked-rule call whose longest lane has `rows` rows: the active table's configs for that
     many rows (nothing without a table), pinned only when the call's bucket differs from the last call's
     (nothing else sets these kernels' configs in a serving process)."""
-    table = _active
-    if table is not None and table.bound(rows) != table.applied:  # (a prefill's layers: pinned once)
-        pin(table.configs(rows))
-        table.applied = table.bound(rows)
+    global _pinned
+    if _active is not None and _active.bound(rows) != _pinned:  # (a prefill's layers: pinned once)
+        pin(_active.configs(rows))
+        _pinned = _active.bound(rows)

@@ -1,5 +1,5 @@
 """Prefill graphs (engine/runner.py, EngineConfig.prefill_graphs): a prefill step replayed from the graph of
-a fixed chunk shape - every lane padded to T rows, padding lanes on a spare slot - gives what the eager,
+a fixed chunk shape - every lane padded to T rows, padding lanes on the pool's state sink - gives what the eager,
 packed prefill gives. On the CPU the captured function runs eagerly behind the same dispatch (no CUDA
 graphs there); DELTAFLASH_TEST_DEVICE=cuda runs the same tests on the real graphs."""
 
@@ -109,6 +109,12 @@ def test_padded_chunked_rule_equals_the_packed_one():
     torch.testing.assert_close(pack(o), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[live], final_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[2], state[2], rtol=0, atol=1e-6)
+    # no initial states (first chunks): the zero state's outputs
+    zeros = torch.zeros_like(state)
+    o0, final0 = chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, None, rows_valid)
+    o_ref, final_ref = chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, zeros, rows_valid)
+    torch.testing.assert_close(pack(o0), pack(o_ref), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final0, final_ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
@@ -162,6 +168,9 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
         torch.testing.assert_close(a[:, pages], b[:, pages], rtol=1e-4, atol=1e-4)
     assert replays.calls, "no prefill step replayed a graph"
     assert any(-1 in slots for slots in replays.calls), "no replay had a padding lane"
+    pool = graphed.runner.pool  # padding lanes kept their GDN state in the sink, which stays zero
+    assert not pool.state_rows[pool.state_sink].any()
+    torch.testing.assert_close(pool.recurrent_state, plain.runner.pool.recurrent_state, rtol=1e-4, atol=1e-4)
     assert graphed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
     steps = {s.labels["path"]: s.value for s in samples if s.name == "deltaflash_prefill_steps_total"}

@@ -24,7 +24,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 class SlotPool:
     """Tensors (S slots, G GDN layers, A attention layers, C conv channels, K conv taps, P pages):
         conv_history    [S, G, C, K-1]                     activation dtype
-        recurrent_state [S, G, nv, dk, dv]                 fp32
+        recurrent_state [S, G, nv, dk, dv]                 fp32 (a view of state_rows [S + 1, ...]: row S,
+                                                           `state_sink`, is what padding lanes of a prefill
+                                                           graph read and write; it stays zero)
         key_cache       [A, P+1, page_size, nkv, hd]       activation dtype (+1: the sink page)
         value_cache     [A, P+1, page_size, nkv, hd]
     `tables` maps each slot's positions to pages (static tables when num_pages is None: every slot owns
@@ -37,10 +39,12 @@ class SlotPool:
         G, A = len(cfg.gdn_layer_ids), len(cfg.attn_layer_ids)
         self.num_slots = num_slots
         self.conv_history = torch.zeros(num_slots, G, cfg.conv_channels, cfg.conv_kernel - 1, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(
-            num_slots, G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+        self.state_rows = torch.zeros(
+            num_slots + 1, G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
+        self.recurrent_state = self.state_rows[:num_slots]
+        self.state_sink = num_slots
         self.tables = BlockTables(num_slots, max_len, page_size, device, num_pages)
         self.max_len = self.tables.capacity
         kv_shape = (A, self.tables.num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)

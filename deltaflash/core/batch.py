@@ -96,9 +96,9 @@ class ExtendBatch:
 
     A fixed-shape batch (`padded`, what a prefill CUDA graph captures) has no host mirrors and no
     packing: every lane runs all T rows, and state_slots [L] names the slot whose GDN state each lane
-    reads and writes back - its own, or for a padding lane a slot outside the batch, whose state it
-    writes back unchanged; starts_sequences says that every lane starts at position 0 (what the host
-    mirrors would tell: the attention then runs over the chunk's own rows).
+    reads and writes - its own, or for a padding lane the pool's state sink (SlotPool.state_sink);
+    starts_sequences says that every lane starts at position 0 (what the host mirrors would tell: the
+    attention then runs over the chunk's own rows, the GDN layers from the zero state).
     """
 
     input_ids: torch.Tensor
@@ -149,11 +149,6 @@ class ExtendBatch:
         layer of a fixed-shape batch read it (a launch or two per layer otherwise)."""
         T = self.input_ids.shape[1]
         return torch.arange(T, device=self.input_ids.device)[None] < self.n_rows[:, None]
-
-    @functools.cached_property
-    def live_mask(self) -> torch.Tensor:
-        """[L] bool: the lanes with a slot (made once per batch, as rows_valid)."""
-        return self.slot_ids >= 0
 
     @classmethod
     def build(cls, lanes: list[tuple[int, int, list[int]]], device, pad_lanes_to: int | None = None) -> "ExtendBatch":

@@ -205,7 +205,7 @@ class ModelRunner:
         if self.graphs is not None and config.prefill_graphs:
             for T, buckets in self.prefill_buckets.items():
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
-                    ((), torch.long, 0)
+                    ((), torch.long, self.pool.state_sink)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs,
                                                          buckets=buckets)
                 if self.dense_prefill and T >= FRESH_PREFILL_MIN_ROWS:
@@ -236,7 +236,7 @@ class ModelRunner:
         cfg, G = self.cfg, len(self.cfg.gdn_layer_ids)
         conv = cfg.conv_channels * (cfg.conv_kernel - 1) * torch.tensor([], dtype=self.dtype).element_size()
         state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        return config.max_slots * G * (conv + state)
+        return config.max_slots * G * (conv + state) + G * state  # (+ the pool's state sink)
 
     @torch.inference_mode()
     def _probe_peak_bytes(self, config: EngineConfig, drafter) -> int:
@@ -460,9 +460,8 @@ class ModelRunner:
 
     def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Tensor, int] | None:
         """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph of the smallest
-        shape that holds them, or
-        None when none does, when it would pad more than about twice their rows, or when padding lanes
-        would find no slot outside the batch to keep their state in."""
+        shape that holds them, or None when none does or when it would pad more than about twice their
+        rows. Padding lanes keep their GDN state in the pool's state sink."""
         L = len(chunks)
         fit = prefill_graph_for([len(c.tokens) for c in chunks], self.prefill_buckets)
         if fit is None:
@@ -472,15 +471,12 @@ class ModelRunner:
         if all(c.start == 0 for c in chunks):  # first chunks only: their attention reads no page
             graphs = self.fresh_prefill_graphs.get(shape, graphs)
         slots = [c.seq.slot for c in chunks]
-        spare = 0 if lanes == L else next((s for s in range(self.pool.num_slots) if s not in slots), None)
-        if spare is None:
-            return None
-        pad = lanes - L
+        pad, sink = lanes - L, self.pool.state_sink
         ids = np.zeros((lanes, shape), dtype=np.int64)
         for row, c in zip(ids, chunks):
             row[:len(c.tokens)] = c.tokens
         per_lane = np.array([slots + [-1] * pad, [c.start for c in chunks] + [0] * pad,
-                             [len(c.tokens) for c in chunks] + [0] * pad, slots + [spare] * pad], dtype=np.int64)
+                             [len(c.tokens) for c in chunks] + [0] * pad, slots + [sink] * pad], dtype=np.int64)
         (logits,) = graphs.run_host(ids, *per_lane)  # one transfer into the graph's inputs
         for c in chunks:  # what extend records from a batch's host mirrors
             self.pool.lengths[c.seq.slot] = c.start + len(c.tokens)

@@ -98,14 +98,15 @@ class GatedDeltaNet(MergedProjections):
 
     def _extend_padded(self, x: torch.Tensor, batch: ExtendBatch, pool: SlotPool, kernels: Kernels) -> torch.Tensor:
         """extend of a fixed-shape batch (ExtendBatch.padded): every lane's T rows through the padded
-        chunked rule; a lane without a slot writes its state slot's state back unchanged."""
+        chunked rule, from its state slot's state (first chunks: from zeros, nothing read), its final state
+        written there unconditionally (a padding lane's slot is the pool's state sink, which stays zero: its
+        rows change nothing)."""
         g_i, slots = self.gdn_index, batch.state_slots
-        live = batch.live_mask[:, None, None]
         qkv, z, b, a = self.project(x)
         q, k, v = self._conv(qkv, batch, pool, kernels)  # a padding lane (slot -1) writes no history
-        state = pool.recurrent_state[slots, g_i]
+        state = None if batch.starts_sequences else pool.state_rows[slots, g_i]
         o, final = chunk_gated_delta_rule_padded(q, k, v, a, b, self.A_log, self.dt_bias, state, batch.rows_valid)
-        pool.recurrent_state[slots, g_i] = torch.where(live[..., None], final, state)
+        pool.state_rows[slots, g_i] = final
         return self._output(o, z, kernels)
 
     def verify(self, x: torch.Tensor, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, window: torch.Tensor,

@@ -83,7 +83,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, initial_states,
 def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states, rows_valid):
     """Lanes of equal padded length, for fixed shapes (CUDA graphs). q, k: [L, T, Hk, dk] as for
     `chunk_gated_delta_rule_varlen`; v: [L, T, H, dv]; a, b: [L, T, H] raw gate inputs; initial_states
-    [L, H, dk, dv] fp32; rows_valid [L, T] bool (device): each lane's valid rows, first in the lane
+    [L, H, dk, dv] fp32 (None: zeros); rows_valid [L, T] bool (device): each lane's valid rows, first in the lane
     (ExtendBatch.rows_valid). A padding row gets
     a = b = -inf, so g = 0 and beta = 0: it writes nothing (its delta is beta times something, so zero)
     and decays nothing, and it comes after every valid row, so each lane's valid outputs and final
@@ -95,6 +95,8 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     q, k = (value_heads(x, v.shape[-2]) for x in (q, k))
     q = q.float() * q.shape[-1] ** -0.5
+    if initial_states is None:
+        initial_states = q.new_zeros(q.shape[0], v.shape[-2], q.shape[-1], v.shape[-1])
     outs = [chunk_gated_delta_rule_ref(q[i], k[i], v[i], g[i], beta[i], initial_states[i]) for i in range(q.shape[0])]
     return torch.stack([o for o, _ in outs]).to(v.dtype), torch.stack([s for _, s in outs])
 
@@ -107,7 +109,8 @@ def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, rows: int, **varlen):
 
     fla_launch.select(rows)
     o, final = chunk_gated_delta_rule(
-        q, k, v, a, b, scale=q.shape[-1] ** -0.5, initial_state=initial_states.contiguous(), output_final_state=True,
+        q, k, v, a, b, scale=q.shape[-1] ** -0.5,
+        initial_state=None if initial_states is None else initial_states.contiguous(), output_final_state=True,
         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,
     )
     return o, final.float()

@@ -1,4 +1,4 @@
-"""The prefill conv, SwiGLU, attention output gate, K/V write, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
+"""The prefill conv, the chunked rule's gate inputs, SwiGLU, attention output gate, K/V write, RoPE, residual-norm, GDN verify, one-launch state commit, tree K/V move, tree build
 greedy tree walk, vocabulary top-k, ancestor mask and skinny GEMM kernels compile for the H200 (sm_90) on a machine without a GPU. The CPU tests run the kernels
 under TRITON_INTERPRET=1, which executes them as Python and accepts code the compiler rejects (a variable redefined
 with another shape inside an `if`): this catches that before a GPU run does."""
@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent("""
     from deltaflash.ops.attention.tree_rows import move_tree_rows_kernel
     from deltaflash.ops.conv.extend import conv_extend_kernel
     from deltaflash.ops.gdn.commit import state_commit_kernel
+    from deltaflash.ops.gdn.prefill_gates import prefill_gates_kernel
     from deltaflash.ops.gdn.verify import gdn_verify_kernel
     from deltaflash.ops.gemm.skinny import skinny_linear_kernel, splitk_sum_kernel
     from deltaflash.ops.norm.rms_norm import rms_norm_kernel
@@ -38,6 +39,12 @@ SCRIPT = textwrap.dedent("""
             kernel = triton.compile(ASTSource(conv_extend_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=4, enable_fp_fusion=False))
             assert ".entry conv_extend_kernel" in kernel.asm["ptx"]
+        consts = dict(H=32, BLOCK_H=32, ROWS=32, MASKED=True)
+        signature = {n: "constexpr" if n in consts else "*i1" if n == "valid_ptr" else "*fp32" if n == "beta_ptr"
+                     else f"*{dtype}" if n.endswith("_ptr") else "i32" for n in prefill_gates_kernel.arg_names}
+        kernel = triton.compile(ASTSource(prefill_gates_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=1))
+        assert ".entry prefill_gates_kernel" in kernel.asm["ptx"]
         signature = dict(gate=f"*{dtype}", up=f"*{dtype}", out=f"*{dtype}", stride_g="i64", stride_u="i64", I="i32",
                          BI="constexpr")
         kernel = triton.compile(ASTSource(silu_mul_kernel, signature, dict(BI=1024)), target=GPUTarget("cuda", 90, 32),

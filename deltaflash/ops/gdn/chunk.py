@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaflash.ops.gdn import fla_launch
+from deltaflash.ops.gdn.prefill_gates import prefill_gates
 
 CHUNK = 64
 
@@ -89,9 +90,9 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     and decays nothing, and it comes after every valid row, so each lane's valid outputs and final
     state are those of its valid rows alone (the chunks start at row 0 as in the packed layout).
     Returns (o [L, T, H, dv] in v's dtype, garbage at padding rows; final_states [L, H, dk, dv] fp32)."""
-    a, b = (torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b))
     if q.is_cuda:
-        return _fla(q, k, v, a, b, A_log, dt_bias, initial_states, q.shape[1])
+        return _fla(q, k, v, a, b, A_log, dt_bias, initial_states, q.shape[1], rows_valid)
+    a, b = (torch.where(rows_valid[..., None], x, float("-inf")) for x in (a, b))
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     q, k = (value_heads(x, v.shape[-2]) for x in (q, k))
     q = q.float() * q.shape[-1] ** -0.5
@@ -101,17 +102,19 @@ def chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, initial_states,
     return torch.stack([o for o, _ in outs]).to(v.dtype), torch.stack([s for _, s in outs])
 
 
-def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, rows: int, **varlen):
+def _fla(q, k, v, a, b, A_log, dt_bias, initial_states, rows: int, rows_valid=None, **varlen):
     """fla-core's chunked rule on [B, T, H, d] rows, its gate (-exp(A_log) softplus(a + dt_bias), summed
-    per chunk) and beta sigmoid computed in its kernels; launched with the engine's launch table's configs
-    for `rows` (the longest sequence's rows), if it has one (fla_launch.py)."""
+    per chunk) computed in its kernels, beta = sigmoid(b) in ours with a made contiguous (rows_valid [B, T]:
+    the rows of a fixed-shape batch, the others made inert; prefill_gates.py); launched with the engine's
+    launch table's configs for `rows` (the longest sequence's rows), if it has one (fla_launch.py)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     fla_launch.select(rows)
+    a, beta = prefill_gates(a, b, rows_valid)
     o, final = chunk_gated_delta_rule(
-        q, k, v, a, b, scale=q.shape[-1] ** -0.5,
+        q, k, v, a, beta, scale=q.shape[-1] ** -0.5,
         initial_state=None if initial_states is None else initial_states.contiguous(), output_final_state=True,
-        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **varlen,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=False, **varlen,
     )
     return o, final.float()
 

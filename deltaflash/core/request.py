@@ -8,6 +8,8 @@ import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from deltaflash.errors import RequestError
 
 
@@ -141,6 +143,12 @@ class Sequence:
     draft_tries: list[float] = field(default_factory=list)
     draft_hits: list[float] = field(default_factory=list)
     rounds_since_draft: int = 0
+    # the prompt as int64 (what prefill steps copy into their inputs: a slice, not a list walked per chunk)
+    prompt_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.prompt_array is None:
+            self.prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
 
     @property
     def position(self) -> int:
@@ -163,6 +171,12 @@ class Sequence:
         n = len(self.prompt_ids)
         head = self.prompt_ids[start:stop]
         return head if stop <= n else head + self.output_ids[max(start - n, 0):stop - n]
+
+    def prefill_array(self, start: int, stop: int) -> np.ndarray:
+        """prefill_tokens as int64: a view of prompt_array where they lie in the prompt (don't write it)."""
+        if min(stop, self.prefill_len) <= len(self.prompt_ids):
+            return self.prompt_array[start:stop]
+        return np.asarray(self.prefill_tokens(start, stop), dtype=np.int64)
 
     @property
     def prompt_left(self) -> int:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deltaflash.core.request import (
@@ -145,13 +146,21 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         params.validate()
-        # one conversion pass in C, then the range check by min / max (not two Python loops over the prompt)
-        prompt_ids = list(map(int, prompt_ids))
-        if not prompt_ids:
+        # one conversion in C to int64 (what prefill steps copy from), the range check on it, one back to ints
+        try:
+            prompt = np.asarray(prompt_ids)
+        except ValueError:  # (ragged nesting)
+            raise RequestError("prompt must be a flat list of token ids") from None
+        if not prompt.size:
             raise RequestError("prompt must contain at least one token")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:
-            bad = next(t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size)
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise RequestError(f"prompt must be a flat list of integer token ids, got {prompt.dtype} values "
+                               f"of shape {tuple(prompt.shape)}")
+        if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
+            bad = prompt[(prompt < 0) | (prompt >= self.cfg.vocab_size)][0]
             raise RequestError(f"prompt token id {bad} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        prompt = np.array(prompt, dtype=np.int64)  # (our own copy: the caller may reuse an array it passed)
+        prompt_ids = prompt.tolist()
         pool_tokens = self.runner.page_plan.tokens
         if len(prompt_ids) + self.config.block_size > pool_tokens:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) is longer than the whole K/V page pool "
@@ -163,7 +172,7 @@ class Engine:
                 f"exceeds the context length {self.config.max_model_len}")
         seed = params.seed if params.seed is not None or self._seeds is None else self._seeds.getrandbits(63)
         seq = Sequence(request_id or next_request_id(), prompt_ids, params, self.stop_ids(params),
-                       resolve_seed(params) if seed is None else seed)
+                       resolve_seed(params) if seed is None else seed, prompt_array=prompt)
         if params.grammar is not None:
             seq.matcher = self._grammars().matcher(params.grammar)
         self.scheduler.add(seq)

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
@@ -40,15 +42,15 @@ class Pin:
     trees: bool | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PrefillChunk:
     """Prefill tokens [start, start + len(tokens)) of `seq` (its prompt, or after a preemption its prompt
-    and generated tokens); `last`: the chunk completes them; `emits`: the last chunk of a sequence that
-    has generated nothing yet (its first token is sampled from the chunk's last row)."""
+    and generated tokens; int64, read only); `last`: the chunk completes them; `emits`: the last chunk of a
+    sequence that has generated nothing yet (its first token is sampled from the chunk's last row)."""
 
     seq: Sequence
     start: int
-    tokens: tuple[int, ...]
+    tokens: np.ndarray
     last: bool
     emits: bool = False
 
@@ -300,7 +302,7 @@ class Scheduler:
         for seq, n in zip(waiting, self._chunk_lens(waiting, budget, rows, lanes, slack, fill)):
             start = seq.num_prefilled
             last = n == seq.prompt_left
-            chunks.append(PrefillChunk(seq, start, tuple(seq.prefill_tokens(start, start + n)), last,
+            chunks.append(PrefillChunk(seq, start, seq.prefill_array(start, start + n), last,
                                        emits=last and not seq.output_ids))
         return chunks
 

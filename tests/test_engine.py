@@ -768,7 +768,10 @@ def test_prompt_tokens_are_checked_against_the_vocabulary(pairs):
         with pytest.raises(RequestError, match=f"prompt token id {bad} outside the vocabulary 0..{vocab - 1}"):
             engine.add_request([3, bad, 5], SamplingParams(max_new_tokens=2))
     assert not engine.has_work()
-    rid = engine.add_request(np.array([1, vocab - 1, 2]), SamplingParams(max_new_tokens=2))
+    ids = np.array([1, vocab - 1, 2])
+    rid = engine.add_request(ids, SamplingParams(max_new_tokens=2))
+    ids[0] = 7  # the caller's array is its own: the request keeps what it was given
+    assert engine.scheduler.waiting[0].prompt_array.tolist() == [1, vocab - 1, 2]
     assert engine.scheduler.waiting[0].request_id == rid
     assert engine.scheduler.waiting[0].prompt_ids == [1, vocab - 1, 2]
     assert all(type(t) is int for t in engine.scheduler.waiting[0].prompt_ids)

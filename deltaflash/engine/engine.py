@@ -146,9 +146,9 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         params.validate()
-        # one conversion in C to int64 (what prefill steps copy from), the range check on it, one back to ints
+        # one conversion in C to our own array (prefill steps copy from it), the range check on it, one back to ints
         try:
-            prompt = np.asarray(prompt_ids)
+            prompt = np.array(prompt_ids)
         except ValueError:  # (ragged nesting)
             raise RequestError("prompt must be a flat list of token ids") from None
         if not prompt.size:
@@ -159,7 +159,7 @@ class Engine:
         if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
             bad = prompt[(prompt < 0) | (prompt >= self.cfg.vocab_size)][0]
             raise RequestError(f"prompt token id {bad} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
-        prompt = np.array(prompt, dtype=np.int64)  # (our own copy: the caller may reuse an array it passed)
+        prompt = prompt.astype(np.int64, copy=False)
         prompt_ids = prompt.tolist()
         pool_tokens = self.runner.page_plan.tokens
         if len(prompt_ids) + self.config.block_size > pool_tokens:

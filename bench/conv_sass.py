@@ -2,7 +2,8 @@
 `conv_extend_kernel` compiled for sm_90 on this machine (no GPU needed: Triton's ptxas and nvdisasm),
 at the 9B shape's 2048-token prefill (q, k, v heads, K = 4 taps) with the JIT's alignment hints.
 
-Usage: python bench/conv_sass.py [32x1 16x4 ...] [--main-path]   (row tile x warps; default ROW_TILE x NUM_WARPS)
+Usage: python bench/conv_sass.py [32x1 16x4x2 ...] [--main-path]   (row tile x warps [x rows a loop step]; default
+    ROW_TILE x NUM_WARPS x STEP)
 A kernel that walks its rows one at a time (HEAD's) is counted by its row loop's body per element. Older ones
 (a 2D tile of rows, every instruction once): the kernel of rows K-1 on (FIRST=False: the whole grid but rows
 [0, K-1)), and of rows [0, K-1) with the history (FIRST=True, its own small launch). CONV_PY=path compiles that extend.py instead (an older one: `git show
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from verify_registers import compile_sm90, loop_body, opcode, ptxas_report, sass  # noqa: E402
 
-from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE  # noqa: E402
+from deltaflash.ops.conv.extend import NUM_WARPS, ROW_TILE, STEP  # noqa: E402
 
 FIRST_TILE_ONLY = ("if i_t * BT < K - 1:", "if i_t == 0:")  # the branches only row tile 0 takes
 
@@ -53,8 +54,10 @@ UNIT = ("stride_r_c", "stride_h_t", "stride_w_t")  # strides of 1, which the JIT
 SHOWN = ("LDG", "STG", "LDS", "STS", "FFMA", "FMUL", "FADD", "MUFU", "FCHK", "CALL", "PRMT", "SEL", "BAR")
 
 
-def compile_conv(row_tile: int, num_warps: int, first: bool = False):
+def compile_conv(row_tile: int, num_warps: int, first: bool = False, step: int = 1):
     consts = dict(K=4, BT=row_tile, BC=128, BK=4, HEADS=True, **{name: 1 for name in UNIT})
+    if "STEP" in conv_extend_kernel.arg_names:
+        consts["STEP"] = step
     if "REP" in conv_extend_kernel.arg_names:  # an extend.py from before q / k went out once per key head
         consts["REP"] = 2
     if "FIRST" in conv_extend_kernel.arg_names:
@@ -63,15 +66,15 @@ def compile_conv(row_tile: int, num_warps: int, first: bool = False):
 
 
 if __name__ == "__main__":
-    configs = [a for a in sys.argv[1:] if not a.startswith("--")] or [f"{ROW_TILE}x{NUM_WARPS}", "16x4"]
+    configs = [a for a in sys.argv[1:] if not a.startswith("--")] or [f"{ROW_TILE}x{NUM_WARPS}x{STEP}", "16x4"]
     print(f"{os.environ.get('CONV_PY', 'this tree')}{', the other row tiles path' if '--main-path' in sys.argv else ''}")
     if "FIRST" in conv_extend_kernel.arg_names:
         configs = [(c, False) for c in configs] + [("4x1", True)]  # (_launch's first launch: BK rows, one warp)
     else:
         configs = [(c, False) for c in configs]
     for config, first in configs:
-        row_tile, num_warps = map(int, config.split("x"))
-        kernel = compile_conv(row_tile, num_warps, first)
+        row_tile, num_warps, step = (*map(int, config.split("x")), 1)[:3]
+        kernel = compile_conv(row_tile, num_warps, first, step)
         with tempfile.TemporaryDirectory() as tmp:
             regs = ptxas_report(kernel, Path(tmp))
             instructions, labels = sass(kernel, Path(tmp))
@@ -86,7 +89,7 @@ if __name__ == "__main__":
                     f"({len(instructions) / per_thread:.0f} per element)"
         else:  # a row at a time: the loop body runs once a row
             body = len(loop_body(instructions, labels))
-            row = 128 / (num_warps * 32)
+            row = 128 * step / (num_warps * 32)
             count = f"{len(instructions)} SASS instructions, {body} in the row loop for {row:.0f} elements a " \
                     f"thread ({body / row:.0f} per element, the division's slow path included)"
         print(f"{config}{' (rows [0, K-1), the history)' if first else ''}: {regs}; {count}; "

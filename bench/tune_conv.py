@@ -1,7 +1,7 @@
 """Time the prefill conv kernel (conv_extend_heads: depthwise causal conv + SiLU, q / k L2-normalised per key
-head) over (rows per program, warps) tiles at the 9B layer shape (CUDA).
+head) over (rows per program, warps, rows a loop step) tiles at the 9B layer shape (CUDA).
 
-Usage: python bench/tune_conv.py [--tokens 2048 512] [--configs 32x1 64x1 ...] (ROWSxWARPS)
+Usage: python bench/tune_conv.py [--tokens 2048 512] [--configs 32x1 64x1x2 ...] (ROWSxWARPS[xSTEP], STEP 1 or 2)
 
 Prints device milliseconds per call (CUDA-graph replay), the bytes moved as a rate, and that rate over
 the measured copy rate (1.0 = the byte roofline). The input is a strided column view of a projection, as
@@ -41,13 +41,14 @@ def moved_bytes(T: int) -> int:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 512])
-    p.add_argument("--configs", nargs="+", default=["8x1", "16x1", "32x1", "64x1", "128x1", "32x2", "64x2"])
+    p.add_argument("--configs", nargs="+", default=["8x1", "16x1", "32x1", "8x1x2", "16x1x2", "32x1x2", "64x1x2",
+                                                     "16x2x2"])
     args = p.parse_args()
-    default = (extend.ROW_TILE, extend.NUM_WARPS)
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
+    default = (extend.ROW_TILE, extend.NUM_WARPS, extend.STEP)
+    configs = [(*(int(x) for x in c.split("x")), 1)[:3] for c in args.configs]
     bw = copy_bandwidth_gbs("cuda")
-    print(f"copy rate {bw:.0f} GB/s; default tile {default[0]}x{default[1]} (rows x warps)")
-    print("tokens  " + "  ".join(f"{r}x{w}".rjust(20) for r, w in configs) + "   (ms, TB/s, x roofline)")
+    print(f"copy rate {bw:.0f} GB/s; default tile {'x'.join(map(str, default))} (rows x warps x step)")
+    print("tokens  " + "  ".join("x".join(map(str, c)).rjust(20) for c in configs) + "   (ms, TB/s, x roofline)")
     for T in args.tokens:
         inputs = layer(T)
         history = inputs[1]  # written in place by each call: every compared call starts from the same one
@@ -57,18 +58,18 @@ def main():
             history.copy_(start)
             return (*extend.conv_extend_heads(*inputs, NK, NV, DK), history.clone())
 
-        extend.ROW_TILE, extend.NUM_WARPS = default
+        extend.ROW_TILE, extend.NUM_WARPS, extend.STEP = default
         reference = run()
         cells = []
-        for rows_per_program, warps in configs:
-            extend.ROW_TILE, extend.NUM_WARPS = rows_per_program, warps
+        for config in configs:
+            extend.ROW_TILE, extend.NUM_WARPS, extend.STEP = config
             out = run()
             same = all(torch.equal(a, b) for a, b in zip(out, reference))
             ms = graph_ms(lambda: extend.conv_extend_heads(*inputs, NK, NV, DK))
             rate = moved_bytes(T) / (ms * 1e-3) / 1e12
             cells.append(f"{ms:.4f} {rate:4.2f} {bw / 1e3 / rate:4.1f}x{'' if same else ' BITS'}")
         print(f"{T:6d}  " + "  ".join(c.rjust(20) for c in cells))
-    extend.ROW_TILE, extend.NUM_WARPS = default
+    extend.ROW_TILE, extend.NUM_WARPS, extend.STEP = default
 
 
 if __name__ == "__main__":

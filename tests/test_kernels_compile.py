@@ -33,8 +33,8 @@ SCRIPT = textwrap.dedent("""
     for dtype in ("bf16", "fp32"):
         pointers = dict(rows=f"*{dtype}", history=f"*{dtype}", slots="*i64", weight=f"*{dtype}", n_rows="*i64",
                         out=f"*{dtype}", k_out=f"*{dtype}", v_out=f"*{dtype}", new_history=f"*{dtype}", eps="fp32")
-        for heads in (False, True):  # plain conv; q / k / v heads
-            consts = dict(K=4, BT=32, BC=128, BK=4, HEADS=heads)
+        for heads, step in ((False, 1), (True, 1), (True, 2)):  # plain conv; q / k / v heads, 1 or 2 rows a step
+            consts = dict(K=4, BT=32, BC=128, BK=4, HEADS=heads, STEP=step)
             signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in conv_extend_kernel.arg_names}
             kernel = triton.compile(ASTSource(conv_extend_kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=4, enable_fp_fusion=False))

@@ -201,6 +201,12 @@ def test_conv_extend_bitwise_equals_ref(ops, L, T, C, dtype):
     assert torch.equal(out, out_ref), f"max diff {(out.float() - out_ref.float()).abs().max()}"
 
 
+def test_conv_extend_tilings_agree_bit_for_bit(ops):
+    from tests.test_ops_verify import conv_tilings_agree
+
+    conv_tilings_agree(DEV)
+
+
 @pytest.mark.parametrize("nk,nv,dk,T", [(16, 32, 128, 2048), (2, 2, 64, 77)])
 def test_conv_extend_heads_equals_ref(ops, nk, nv, dk, T):
     """The prefill conv with the chunked rule's head split: v and the history bit for bit with the torch

@@ -521,6 +521,36 @@ def test_conv_extend_heads_kernel_matches_ref(nk, nv, dk, dv, T, dtype):
         torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0, atol=1e-2)
 
 
+def conv_tilings_agree(device: str) -> None:
+    """The prefill conv's launch knobs (rows a program, rows a loop step, warps) change no bit of its outputs or
+    the histories it writes: an odd number of rows leaves a half step at the end of every program."""
+    import deltaflash.ops.conv.extend as extend
+
+    nk, nv, dk, T = 2, 4, 16, 37
+    rows, history, weight, n_rows = (t.to(device) for t in make_extend(3, T, 2 * nk * dk + nv * dk, torch.float16,
+                                                                       seed=5))
+    default = extend.ROW_TILE, extend.STEP, extend.NUM_WARPS
+    results = []
+    try:
+        for tiling in ((16, 1, 1), (16, 2, 1), (8, 2, 2), (5, 2, 1), (32, 1, 4)):
+            extend.ROW_TILE, extend.STEP, extend.NUM_WARPS = tiling
+            pool, slots = (t.to(device) for t in extend_pool(history.cpu(), seed=1))
+            plain = extend.causal_conv_extend(rows, history, weight, n_rows)
+            heads = extend.conv_extend_heads(rows, pool[:, 1], slots, weight, n_rows, nk, nv, dk)
+            results.append((tiling, (*plain, *heads, pool)))
+    finally:
+        extend.ROW_TILE, extend.STEP, extend.NUM_WARPS = default
+    (_, first), *others = results
+    for tiling, got in others:
+        for name, a, b in zip(("out", "history", "q", "k", "v", "pool"), got, first):
+            assert torch.equal(a, b), f"{name} at rows / step / warps {tiling}"
+
+
+@interpreted
+def test_conv_extend_tilings_agree_bit_for_bit():
+    conv_tilings_agree("cpu")
+
+
 def test_conv_history_writes_without_a_slot_leave_the_pool_as_it_was():
     """write_histories (the torch route's one index_put_): lanes without a slot write nothing wherever they
     sit among the others, and with no lane holding a slot the pool is unchanged."""

@@ -59,6 +59,36 @@ def _input(p_rows, p_hist, src, stride_r_t, stride_h_t, T, m_c, has, K: tl.const
     return tl.where(src >= 0, b_x, b_h.to(p_rows.dtype.element_ty))
 
 
+@triton.jit
+def _conv_row(out, k_out, v_out, t, i_l, i_c, o_d, o_c, m_c, T, C, DK, KD, eps, x1, x2, x3, x, w1, w2, w3, w4,
+              K: tl.constexpr, HEADS: tl.constexpr):
+    """Row t's outputs from its inputs x and those 3, 2, 1 rows back (x1, x2, x3; m_c: the channels to store)."""
+    b_acc = tl.zeros(x.shape, dtype=tl.float32)  # fp32 taps in order from 0, as the torch route adds them
+    if K == 4:
+        b_acc = b_acc + w1 * x1
+    if K >= 3:
+        b_acc = b_acc + w2 * x2
+    if K >= 2:
+        b_acc = b_acc + w3 * x3
+    b_acc = b_acc + w4 * x
+    dtype = out.dtype.element_ty
+    b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc)).to(dtype)  # silu, rounded
+    if not HEADS:
+        tl.store(out + (i_l * T + t) * C + o_c, b_o, mask=m_c)
+    elif i_c * DK < 2 * KD:  # a q or k head: normalised
+        b_n = b_o.to(tl.float32)
+        b_n = (b_n * exact_rsqrt(tl.sum(b_n * b_n, axis=0) + eps)).to(dtype)
+        o_r = (i_l * T + t) * KD + o_d  # the row's start
+        if i_c * DK < KD:
+            p_o = out + o_r + i_c * DK
+        else:
+            p_o = k_out + o_r + (i_c * DK - KD)
+        tl.store(p_o, b_n, mask=m_c)
+    else:
+        VD = C - 2 * KD
+        tl.store(v_out + (i_l * T + t) * VD + (o_c - 2 * KD), b_o, mask=m_c)
+
+
 @triton.jit(do_not_specialize=["T"])  # prefill chunks come in every length
 def conv_extend_kernel(
     rows, history, slots, weight, n_rows, out, k_out, v_out, new_history,
@@ -68,16 +98,18 @@ def conv_extend_kernel(
     stride_w_c, stride_w_t,
     T, C, DK, KD, eps,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HEADS: tl.constexpr,
+    STEP: tl.constexpr = 1,
 ):
-    """One program: rows [i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC, K <= 4), a row at a
-    time: each input is loaded once and kept for the next K-1 rows' taps (the window x1, x2, x3 holds the
-    inputs 3, 2, 1 rows back). Tap j of row t reads the input at t - (K-1) + j: a row when that is >= 0, else
-    history column K-1 + (t - (K-1) + j), which only row tile 0 reaches - row slots[i_l] of history (slot -1:
-    zeros); that program also writes the lane's new history (the inputs at n - (K-1) + i) to row slots[i_l] of
-    new_history (slot -1: nowhere), which may be history itself. Without HEADS the outputs go to out [L, T, C].
-    With HEADS a tile is one key head (DK = dk): below KD channels q, below 2 KD k, each L2-normalised over the
-    head (fp32 from the rounded conv output, one rounding) and stored to its head of out / k_out
-    [L, T, KD / DK, DK]; the rest is v, stored as it is to v_out [L, T, C - 2 KD]."""
+    """One program: rows [i_t * BT, +BT) x channels [i_c * DK, +DK) of lane i_l (DK <= BC, K <= 4), STEP rows (1
+    or 2) at a time: each input is loaded once, the next STEP rows' loads in flight while a step computes, and
+    kept for the next K-1 rows' taps (the window x1, x2, x3 holds the inputs 3, 2, 1 rows back). Tap j of row t
+    reads the input at t - (K-1) + j: a row when that is >= 0, else history column K-1 + (t - (K-1) + j), which
+    only row tile 0 reaches - row slots[i_l] of history (slot -1: zeros); that program also writes the lane's new
+    history (the inputs at n - (K-1) + i) to row slots[i_l] of new_history (slot -1: nowhere), which may be
+    history itself. Without HEADS the outputs go to out [L, T, C]. With HEADS a tile is one key head (DK = dk):
+    below KD channels q, below 2 KD k, each L2-normalised over the head (fp32 from the rounded conv output, one
+    rounding) and stored to its head of out / k_out [L, T, KD / DK, DK]; the rest is v, stored as it is to v_out
+    [L, T, C - 2 KD]. A row's bits do not depend on STEP or BT."""
     i_c, i_t, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_l = i_l.to(tl.int64)
     o_d = tl.arange(0, BC)
@@ -96,38 +128,26 @@ def conv_extend_kernel(
     w2 = tl.load(p_w + max(K - 3, 0) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
     w3 = tl.load(p_w + max(K - 2, 0) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
     w4 = tl.load(p_w + (K - 1) * stride_w_t, mask=m_c, other=0.0).to(tl.float32)
-    dtype = out.dtype.element_ty
     t_end = tl.minimum(t0 + BT, T)
-    p_x = p_rows + t0.to(tl.int64) * stride_r_t  # row t's inputs, one row on at each step (64-bit offsets)
+    p_x = p_rows + t0.to(tl.int64) * stride_r_t  # row t's inputs, STEP rows on at each step (64-bit offsets)
     x_next = tl.load(p_x, mask=m_c & (t0 < T), other=0.0)
-    for t in range(t0, t_end):
+    if STEP == 2:
+        x_after = tl.load(p_x + stride_r_t, mask=m_c & (t0 + 1 < t_end), other=0.0)
+    for t in range(t0, t_end, STEP):
         x = x_next.to(tl.float32)
-        p_x += stride_r_t
-        x_next = tl.load(p_x, mask=m_c & (t + 1 < t_end), other=0.0)  # in flight meanwhile
-        b_acc = tl.zeros([BC], dtype=tl.float32)  # fp32 taps in order from 0, as the torch route adds them
-        if K == 4:
-            b_acc = b_acc + w1 * x1
-        if K >= 3:
-            b_acc = b_acc + w2 * x2
-        if K >= 2:
-            b_acc = b_acc + w3 * x3
-        b_acc = b_acc + w4 * x
-        x1, x2, x3 = x2, x3, x
-        b_o = tl.math.div_rn(b_acc, 1.0 + exact_exp(-b_acc)).to(dtype)  # silu, rounded
-        if not HEADS:
-            tl.store(out + (i_l * T + t) * C + o_c, b_o, mask=m_c)
-        elif i_c * DK < 2 * KD:  # a q or k head: normalised
-            b_n = b_o.to(tl.float32)
-            b_n = (b_n * exact_rsqrt(tl.sum(b_n * b_n, axis=0) + eps)).to(dtype)
-            o_r = (i_l * T + t) * KD + o_d  # the row's start
-            if i_c * DK < KD:
-                p_o = out + o_r + i_c * DK
-            else:
-                p_o = k_out + o_r + (i_c * DK - KD)
-            tl.store(p_o, b_n, mask=m_c)
+        p_x += STEP * stride_r_t
+        x_next = tl.load(p_x, mask=m_c & (t + STEP < t_end), other=0.0)  # in flight meanwhile
+        if STEP == 2:
+            x_b = x_after.to(tl.float32)
+            x_after = tl.load(p_x + stride_r_t, mask=m_c & (t + 3 < t_end), other=0.0)
+        _conv_row(out, k_out, v_out, t, i_l, i_c, o_d, o_c, m_c, T, C, DK, KD, eps, x1, x2, x3, x, w1, w2, w3, w4,
+                  K, HEADS)
+        if STEP == 2:
+            _conv_row(out, k_out, v_out, t + 1, i_l, i_c, o_d, o_c, m_c & (t + 1 < t_end), T, C, DK, KD, eps,
+                      x2, x3, x, x_b, w1, w2, w3, w4, K, HEADS)
+            x1, x2, x3 = x3, x, x_b
         else:
-            VD = C - 2 * KD
-            tl.store(v_out + (i_l * T + t) * VD + (o_c - 2 * KD), b_o, mask=m_c)
+            x1, x2, x3 = x2, x3, x
     if i_t == 0:
         n = tl.load(n_rows + i_l).to(tl.int32)
         o_k = tl.arange(0, BK)
@@ -144,7 +164,7 @@ def conv_extend_kernel(
         tl.store(p_new, b_keep.to(new_history.dtype.element_ty), mask=m_k & has)
 
 
-ROW_TILE, NUM_WARPS = 16, 1  # rows per program, warps (H100 sweep: bench/tune_conv.py, docs/benchmarks.md)
+ROW_TILE, NUM_WARPS, STEP = 16, 1, 1  # rows per program, warps, rows a loop step (bench/tune_conv.py sweeps them)
 
 
 def _launch(rows, history, slots, weight, n_rows, outs, new_history, DK: int, KD: int, heads: bool) -> None:
@@ -161,7 +181,7 @@ def _launch(rows, history, slots, weight, n_rows, outs, new_history, DK: int, KD
             *rows.stride(), *history.stride(), *new_history.stride(), *weight.stride(),
             T, C, DK, KD, L2_EPS,
             K=K, BT=BT, BC=triton.next_power_of_2(DK), BK=triton.next_power_of_2(max(K - 1, 1)),
-            HEADS=heads, num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
+            HEADS=heads, STEP=STEP, num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, enable_reflect_ftz=False,
         )
 
 

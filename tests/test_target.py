@@ -264,3 +264,32 @@ def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypat
     assert calls == [40] * layers  # the first chunk only
     model.extend(ExtendBatch.build([(0, 200, [1] * 64)], "cpu"), pool, kernels)
     assert calls == [40] * layers + [64] * layers  # 64 rows after 200 keys: dense
+
+
+def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder):
+    """A prefill chunk's logits are each lane's last row's: the last layer's norm and MLP run on those rows
+    alone (one a lane, padding lanes and short lanes included), every row when all rows' logits are asked for
+    or the last layer is tapped; the logits are those of the whole forward's last rows (fp32, to the GEMMs'
+    rounding), and the pool is left the same either way."""
+    model = load_model(dense_folder, device="cpu", progress=False)
+    mlp_rows = []
+    hook = model.layers[-1].mlp.register_forward_pre_hook(lambda m, args: mlp_rows.append(args[0].shape[:-1]))
+    vocab, last = model.cfg.vocab_size, len(model.layers) - 1
+    prompts = _prompts(vocab, [23, 9], seed=11)
+    try:
+        runs = {}
+        for name, kwargs in (("last rows", {}), ("all rows", dict(all_logits=True)),
+                             ("tapped", dict(tap_layer_ids=(1, last)))):
+            pool = SlotPool(model.cfg, 3, 64, torch.float32, "cpu")
+            batch = ExtendBatch.build([(2, 0, prompts[0]), (0, 0, prompts[1])], "cpu", pad_lanes_to=3)
+            logits, taps = model.extend(batch, pool, reference_kernels(), **kwargs)
+            runs[name] = logits, taps, pool.recurrent_state.clone(), pool.key_cache.clone()
+    finally:
+        hook.remove()
+    assert mlp_rows == [(3,), (3, 23), (3, 23)]
+    (trimmed, _, state, keys), (every, _, state_all, keys_all), (tapped, taps, _, _) = runs.values()
+    assert trimmed.shape == tapped.shape == (3, vocab) and taps.shape == (3, 23, 2 * model.cfg.hidden_size)
+    want = every[torch.arange(3), torch.tensor([22, 8, 0])]
+    for got in (trimmed, tapped):
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert torch.equal(state, state_all) and torch.equal(keys, keys_all)

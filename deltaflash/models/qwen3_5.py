@@ -82,22 +82,30 @@ class Qwen35Model(nn.Module):
         share of the vocabulary, models/vocab.py)."""
         return self.vocab.project(self.norm(hidden, kernels), self.linear, gather).float()
 
-    def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels):
+    def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels, last_rows=None):
         """Each residual add is done by the norm that follows it (kernels.add_rms_norm: one pass), but
-        for a tapped layer's and the last layer's MLP output, added on its own."""
+        for a tapped layer's and the last layer's MLP output, added on its own. last_rows [L] (x [L, T, H],
+        the last layer untapped): only those rows of each lane go on past the last layer's mixer - its norm
+        and MLP act on each row alone, and the other rows' outputs are never read - and the result is [L, H]."""
         taps, pending = [], None  # pending: the previous MLP output, not yet added to x
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if pending is None:
                 h = layer.input_layernorm(x, kernels)
             else:
                 x, h = layer.input_layernorm.add_and_norm(x, pending, kernels)
             out = self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
+            if i == last and last_rows is not None:
+                if last in tap_layer_ids:
+                    raise ValueError("last_rows with the last layer tapped: its tap is every row's output")
+                lanes = torch.arange(x.shape[0], device=x.device)
+                x, out = x[lanes, last_rows], out[lanes, last_rows]
             x, h = layer.post_attention_layernorm.add_and_norm(x, out, kernels)
             pending = self.reduce(layer.mlp(h, kernels))
-            if i in tap_layer_ids or i == len(self.layers) - 1:
+            if i in tap_layer_ids or i == last:
                 x, pending = x + pending, None
             if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
-                taps.append(self.norm(x, kernels) if i == len(self.layers) - 1 else x)
+                taps.append(self.norm(x, kernels) if i == last else x)
         return x, (torch.cat(taps, dim=-1) if taps else None)
 
     def _dense_route(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor, pool: SlotPool
@@ -137,14 +145,16 @@ class Qwen35Model(nn.Module):
 
         attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731
-        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
+        # each lane's last row is all that leaves the forward (its logits), unless every row's logits do or the
+        # last layer is tapped: the last layer's MLP runs on those rows alone (1/num_layers of a prefill's MLPs)
+        last_rows = None if all_logits or len(self.layers) - 1 in tap_layer_ids else (batch.n_rows - 1).clamp(min=0)
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels, last_rows)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):  # (a fixed-shape
             if slot >= 0:  # batch has no host mirrors: its caller records the lengths)
                 pool.lengths[slot] = start + n
-        if all_logits:
-            return self.logits(x, kernels), taps
-        last = (batch.n_rows - 1).clamp(min=0)
-        return self.logits(x[torch.arange(L, device=device), last], kernels), taps
+        if last_rows is None and not all_logits:
+            x = x[torch.arange(L, device=device), (batch.n_rows - 1).clamp(min=0)]
+        return self.logits(x, kernels), taps
 
     @torch.inference_mode()
     def verify(self, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),

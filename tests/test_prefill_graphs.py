@@ -19,7 +19,7 @@ from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_R
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize
 from deltaflash.server.metrics import Metrics
-from tests.spec_pairs import DEVICE, engine_for, pairs_by_kind, prompts
+from tests.spec_pairs import DEVICE, engine_for, make_pair, pairs_by_kind, prompts
 
 
 @pytest.fixture(scope="module")
@@ -199,16 +199,18 @@ def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="fp32 engines on CUDA run first chunks on pages (flash attention "
                     "takes half precision) and the GPU tests' engines are batch invariant")
-def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
+def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(tmp_path):
     """A prompt of FRESH_PREFILL_MIN_ROWS rows or so at an idle engine replays the first-chunk graph of
     its shape, which tells the attention its shape is fixed (cuDNN's kernel on CUDA: ops/attention/dense.py);
     a prompt arriving while it decodes goes in budget-sized chunks through the plain graphs (its first
-    chunk is below that shape). Outputs equal the eager engine's, whose first chunks say their shapes vary."""
+    chunk is below that shape). Outputs equal the eager engine's, whose first chunks say their shapes vary.
+    (A target with an attention layer before its last, which attends for each lane's last row alone.)"""
+    pair = make_pair(tmp_path, kind="dense_tied", block_size=4)
     T = FRESH_PREFILL_MIN_ROWS
     config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 64,
                   scale_prefill_budget=False)  # budget-sized chunks beside a round
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    batch = prompts(96, [T - 40, 150], seed=9)
+    batch = prompts(80, [T - 40, 150], seed=9)  # (dense_tied: 80 tokens)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
     fixed = {id(plain): [], id(engine): []}  # each engine's prefill_attention calls: fixed_shape, rows
@@ -225,8 +227,9 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(pair):
         second_arrives_while_first_decodes(plain, batch, params)
     assert (replays.shapes[0], replays.fresh[0]) == (T, True)
     assert replays.shapes[1:] and not any(replays.fresh[1:])
-    layers = len(engine.runner.model.cfg.attn_layer_ids)
-    assert fixed[id(engine)] == [(True, T)] * layers  # the graph's forward, every attention layer
+    cfg = engine.runner.model.cfg
+    layers = len([i for i in cfg.attn_layer_ids if i != cfg.num_layers - 1])
+    assert layers and fixed[id(engine)] == [(True, T)] * layers  # the graph's forward, every attention layer
     assert fixed[id(plain)][:layers] == [(False, T - 40)] * layers  # the eager first chunk, its own length
     assert not any(f for f, _ in fixed[id(plain)])  # and every later eager one
 

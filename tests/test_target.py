@@ -245,7 +245,8 @@ def test_bf16_extend_of_one_row_and_of_a_chunk(dense_folder):
 
 def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypatch):
     """A one-lane later chunk runs on pages when its context is longer than dense.MAX_DENSE_KEYS or it
-    has fewer than dense.MIN_DENSE_ROWS rows (the gather would cost more than it saves)."""
+    has fewer than dense.MIN_DENSE_ROWS rows (the gather would cost more than it saves). (Every row's logits:
+    otherwise the last layer, this model's one attention layer, attends for each lane's last row alone.)"""
     from deltaflash.ops.attention import dense
 
     model = load_model(dense_folder, device="cpu", progress=False)
@@ -254,26 +255,34 @@ def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypat
                                   or dense.causal_block_attention(*a, **kw))
     pool = SlotPool(model.cfg, 2, 256, torch.float32, "cpu")
     (prompt,) = _prompts(model.cfg.vocab_size, [200], seed=6)
-    model.extend(ExtendBatch.build([(0, 0, prompt[:40])], "cpu"), pool, kernels)
+    model.extend(ExtendBatch.build([(0, 0, prompt[:40])], "cpu"), pool, kernels, all_logits=True)
     monkeypatch.setattr(dense, "MAX_DENSE_KEYS", 100)
-    model.extend(ExtendBatch.build([(0, 40, prompt[40:110])], "cpu"), pool, kernels)  # 110 keys > 100
+    model.extend(ExtendBatch.build([(0, 40, prompt[40:110])], "cpu"), pool, kernels, all_logits=True)  # 110 keys > 100
     monkeypatch.undo()
-    model.extend(ExtendBatch.build([(0, 110, prompt[110:140])], "cpu"), pool, kernels)  # 30 rows < 64
-    model.extend(ExtendBatch.build([(0, 140, prompt[140:])], "cpu"), pool, kernels)  # 60 rows < 64 too
+    model.extend(ExtendBatch.build([(0, 110, prompt[110:140])], "cpu"), pool, kernels, all_logits=True)  # 30 rows < 64
+    model.extend(ExtendBatch.build([(0, 140, prompt[140:])], "cpu"), pool, kernels, all_logits=True)  # 60 rows < 64 too
     layers = len(model.cfg.attn_layer_ids)
     assert calls == [40] * layers  # the first chunk only
-    model.extend(ExtendBatch.build([(0, 200, [1] * 64)], "cpu"), pool, kernels)
+    model.extend(ExtendBatch.build([(0, 200, [1] * 64)], "cpu"), pool, kernels, all_logits=True)
     assert calls == [40] * layers + [64] * layers  # 64 rows after 200 keys: dense
 
 
-def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder):
-    """A prefill chunk's logits are each lane's last row's: the last layer's norm and MLP run on those rows
-    alone (one a lane, padding lanes and short lanes included), every row when all rows' logits are asked for
-    or the last layer is tapped; the logits are those of the whole forward's last rows (fp32, to the GEMMs'
-    rounding), and the pool is left the same either way."""
+@pytest.mark.parametrize("last_mixer", ["attention", "gdn"])
+def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder, tmp_path, last_mixer):
+    """A prefill chunk's logits are each lane's last row's: past the last layer's K/V those rows alone are
+    computed - that attention layer's queries, its norm and MLP (one row a lane, padding lanes and short lanes
+    included) - every row when all rows' logits are asked for or the last layer is tapped; the logits are those
+    of the whole forward's last rows (fp32, to the GEMMs' rounding), and the pool is left the same either way."""
+    if last_mixer == "gdn":
+        dense_folder = save_checkpoint(build_hf_model("dense_gqa", seed=7, layer_types=[
+            "linear_attention", "full_attention", "full_attention", "linear_attention"]), tmp_path)
     model = load_model(dense_folder, device="cpu", progress=False)
-    mlp_rows = []
-    hook = model.layers[-1].mlp.register_forward_pre_hook(lambda m, args: mlp_rows.append(args[0].shape[:-1]))
+    assert (last_mixer == "gdn") == model.layers[-1].is_gdn
+    mlp_rows, queries = [], []
+    hooks = [model.layers[-1].mlp.register_forward_pre_hook(lambda m, args: mlp_rows.append(args[0].shape[:-1]))]
+    if last_mixer == "attention":
+        hooks.append(model.layers[-1].self_attn.register_forward_hook(
+            lambda m, args, out: queries.append(out.shape[:-1])))
     vocab, last = model.cfg.vocab_size, len(model.layers) - 1
     prompts = _prompts(vocab, [23, 9], seed=11)
     try:
@@ -285,11 +294,13 @@ def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder):
             logits, taps = model.extend(batch, pool, reference_kernels(), **kwargs)
             runs[name] = logits, taps, pool.recurrent_state.clone(), pool.key_cache.clone()
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     assert mlp_rows == [(3,), (3, 23), (3, 23)]
+    assert queries == ([] if last_mixer == "gdn" else [(3, 1), (3, 23), (3, 23)])  # (a GDN layer: every row)
     (trimmed, _, state, keys), (every, _, state_all, keys_all), (tapped, taps, _, _) = runs.values()
     assert trimmed.shape == tapped.shape == (3, vocab) and taps.shape == (3, 23, 2 * model.cfg.hidden_size)
-    want = every[torch.arange(3), torch.tensor([22, 8, 0])]
+    want = every[torch.arange(2), torch.tensor([22, 8])]  # (the padding lane's logits are nobody's)
     for got in (trimmed, tapped):
-        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        assert (got[:2] - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert torch.equal(state, state_all) and torch.equal(keys, keys_all)

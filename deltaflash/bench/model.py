@@ -115,14 +115,27 @@ def run(args) -> dict:
     return result
 
 
-def prefill_flops(cfg, tokens: int, read_bytes: int) -> float:
-    """A lower bound on one prompt's prefill FLOPs: every read weight (bf16) once per token except the
-    lm_head (its last row only), plus causal attention (2 T^2 head_dim per head and layer); the GDN
-    layers' chunked recurrence is left out (a small share at these shapes)."""
+def prefill_flops(cfg, tokens: int, read_bytes: int, last_row_weights: int = 0) -> float:
+    """One prompt's prefill FLOPs: every read weight (bf16) once per token except the lm_head (its last row
+    only), plus causal attention (2 T^2 head_dim per head and layer); the GDN layers' chunked recurrence is
+    left out (a small share at these shapes). last_row_weights: the weights of the last layer the last row
+    alone needs (`last_row_weights`), counted once as the lm_head is - and, if that layer attends, one query's
+    attention for it - the least a first token takes (the engine skips the rest); 0: the whole forward."""
     lm_head = cfg.vocab_size * cfg.hidden_size
-    weights = read_bytes // 2 - lm_head
-    attention = 2 * tokens * tokens * cfg.num_heads * cfg.head_dim * len(cfg.attn_layer_ids)
-    return 2 * weights * tokens + 2 * lm_head + attention
+    weights = read_bytes // 2 - lm_head - last_row_weights
+    attention_layers = len(cfg.attn_layer_ids)
+    last_attends = last_row_weights and cfg.num_layers - 1 in cfg.attn_layer_ids
+    attention = 2 * tokens * cfg.num_heads * cfg.head_dim * ((attention_layers - last_attends) * tokens + 2 * last_attends)
+    return 2 * weights * tokens + 2 * (lm_head + last_row_weights) + attention
+
+
+def last_row_weights(model) -> int:
+    """Weights of the last layer that only each prompt's last row needs (Qwen35Model.extend computes that row
+    alone past the layer's K/V or GDN state): its MLP and, in an attention layer, the query / gate and output
+    projections."""
+    layer = model.layers[-1]
+    count = sum(p.numel() for p in layer.mlp.parameters())
+    return count if layer.is_gdn else count + layer.self_attn.q_proj.weight.numel() + layer.self_attn.o_proj.weight.numel()
 
 
 def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
@@ -146,21 +159,24 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
     rows = []
     for n in lengths:
         prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-        compute_ms = max(limit_ms, prefill_flops(cfg, n, read_bytes) / (rate * 1e12) * 1e3)
+        compute_ms, least_ms = (max(limit_ms, prefill_flops(cfg, n, read_bytes, last) / (rate * 1e12) * 1e3)
+                                for last in (0, last_row_weights(model)))
         row = {"prompt_tokens": n, "deltaflash_ms": time_ms(lambda: engine.generate([prompt], params), 1, 3),
                "budget_chunks_ms": time_ms(lambda: budget_chunks.generate([prompt], params), 1, 3),
-               "compute_limit_ms": compute_ms}
+               "compute_limit_ms": compute_ms, "last_row_limit_ms": least_ms}
         if hf is not None:
             ids = torch.tensor([prompt], device=device)
             row["transformers_ms"] = time_ms(lambda: hf(ids, use_cache=False, logits_to_keep=1).logits.argmax(-1), 1, 3)
             row["speedup_vs_transformers"] = row["transformers_ms"] / row["deltaflash_ms"]
         row["deltaflash_x_limit"] = row["deltaflash_ms"] / compute_ms
+        row["deltaflash_x_last_row_limit"] = row["deltaflash_ms"] / least_ms
         rows.append(row)
     print(f"bf16 GEMM rate {rate:.0f} TFLOP/s (measured); engine: {engine.config.max_slots} slots, max_model_len "
           f"{engine.config.max_model_len}, idle prefill budget "
           f"{engine.config.idle_prefill_tokens} tokens (budget_chunks: the step budget's "
           f"{engine.config.max_num_batched_tokens}), prefill graphs {engine.config.prefill_graphs}")
-    print_table("time to first token, one prompt (ratios: deltaflash / compute limit)", rows)
+    print_table("time to first token, one prompt (ratios: deltaflash / compute limit - the whole forward's FLOPs - "
+                "and / last_row_limit - the last layer past its K/V for the last row alone, what the engine runs)", rows)
     return rows
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,8 @@ class AttentionRows:
     `kernels.prefill_attention` on it, reading no page; dense_keys [1, S] long: the storage rows of
     keys 0..S-1 of a one-lane chunk whose rows are the last of them, gathered into one dense run for
     `kernels.prefill_attention` (a long prompt's later chunks: ops/attention/dense.py); fixed_shape: the
-    forward is a CUDA graph's (its shape comes again at every replay)."""
+    forward is a CUDA graph's (its shape comes again at every replay); queries [L] long: the one row of
+    each lane whose output is read (`at_queries`)."""
 
     kv_rows: torch.Tensor
     slot_ids: torch.Tensor
@@ -40,6 +42,14 @@ class AttentionRows:
     fresh: bool = False
     dense_keys: torch.Tensor | None = None
     fixed_shape: bool = False
+    queries: torch.Tensor | None = None
+
+    def at_queries(self, queries: torch.Tensor) -> AttentionRows:
+        """These rows for a layer whose output is read at row queries[l] of each lane alone (a prefill chunk's
+        last layer: each lane's last row, for its logits): every row's K/V is written, that row's query alone
+        attends - over the pages, as a decode row at its position does - and the layer returns [L, 1, H]."""
+        return dataclasses.replace(self, queries=queries, context_lens=self.context_lens + queries,
+                                   n_rows=self.n_rows.clamp(max=1), split=True, fresh=False, dense_keys=None)
 
 
 class GatedAttention(MergedProjections):
@@ -59,11 +69,17 @@ class GatedAttention(MergedProjections):
 
     def forward(self, x, rope, rows: AttentionRows, pool: SlotPool, kernels: Kernels):
         """x [L, T, H]; rope (cos, sin) [L, T, rd]. Writes the rows' K/V into their pages, then attends
-        over each lane's pages up to its length. No host syncs: CUDA-graph safe. Returns [L, T, H]."""
+        over each lane's pages up to its length. No host syncs: CUDA-graph safe. Returns [L, T, H] ([L, 1, H]
+        with rows.queries)."""
         a_i = self.attn_index
         q, k, v = self.project(x)
         q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
-        q = kernels.rope(self.q_norm(q, kernels), *rope)
+        q_rope = rope
+        if rows.queries is not None:  # one query a lane: [L, 1, ...]
+            lanes = torch.arange(q.shape[0], device=q.device)
+            q, gate = q[lanes, rows.queries, None], gate[lanes, rows.queries, None]
+            q_rope = tuple(t[lanes, rows.queries, None] for t in rope)
+        q = kernels.rope(self.q_norm(q, kernels), *q_rope)
         k = kernels.rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
         v = v.unflatten(-1, (self.nkv, self.hd))
         kernels.write_kv(pool.key_cache[a_i], pool.value_cache[a_i], rows.kv_rows, k, v)

@@ -86,7 +86,8 @@ class Qwen35Model(nn.Module):
         """Each residual add is done by the norm that follows it (kernels.add_rms_norm: one pass), but
         for a tapped layer's and the last layer's MLP output, added on its own. last_rows [L] (x [L, T, H],
         the last layer untapped): only those rows of each lane go on past the last layer's mixer - its norm
-        and MLP act on each row alone, and the other rows' outputs are never read - and the result is [L, H]."""
+        and MLP act on each row alone, and the other rows' outputs are never read - and the result is [L, H];
+        an attention layer there computes those rows' queries alone (`attend(attn, h, last_rows)`)."""
         taps, pending = [], None  # pending: the previous MLP output, not yet added to x
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -94,12 +95,17 @@ class Qwen35Model(nn.Module):
                 h = layer.input_layernorm(x, kernels)
             else:
                 x, h = layer.input_layernorm.add_and_norm(x, pending, kernels)
-            out = self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
             if i == last and last_rows is not None:
                 if last in tap_layer_ids:
                     raise ValueError("last_rows with the last layer tapped: its tap is every row's output")
                 lanes = torch.arange(x.shape[0], device=x.device)
-                x, out = x[lanes, last_rows], out[lanes, last_rows]
+                x = x[lanes, last_rows]
+                if layer.is_gdn:
+                    out = self.reduce(gdn(layer.linear_attn, h))[lanes, last_rows]
+                else:
+                    out = self.reduce(attend(layer.self_attn, h, last_rows))[:, 0]
+            else:
+                out = self.reduce(gdn(layer.linear_attn, h) if layer.is_gdn else attend(layer.self_attn, h))
             x, h = layer.post_attention_layernorm.add_and_norm(x, out, kernels)
             pending = self.reduce(layer.mlp(h, kernels))
             if i in tap_layer_ids or i == last:
@@ -143,10 +149,11 @@ class Qwen35Model(nn.Module):
                              max_pages=pool.tables.pages_to_read(kmax), split=False, fresh=fresh,
                              dense_keys=dense_keys, fixed_shape=batch.fixed_shape)
 
-        attend = lambda attn, h: attn(h, rope, rows, pool, kernels)  # noqa: E731
+        attend = lambda attn, h, queries=None: attn(  # noqa: E731
+            h, rope, rows if queries is None else rows.at_queries(queries), pool, kernels)
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731
         # each lane's last row is all that leaves the forward (its logits), unless every row's logits do or the
-        # last layer is tapped: the last layer's MLP runs on those rows alone (1/num_layers of a prefill's MLPs)
+        # last layer is tapped: past the last layer's K/V (or GDN state) only those rows are computed
         last_rows = None if all_logits or len(self.layers) - 1 in tap_layer_ids else (batch.n_rows - 1).clamp(min=0)
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels, last_rows)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):  # (a fixed-shape

@@ -10,7 +10,7 @@ from deltaflash.core.batch import ExtendBatch
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.engine import Engine
 from deltaflash.models.loader import load_model
-from deltaflash.ops.kernels import reference_kernels
+from deltaflash.ops.kernels import kernels_named, reference_kernels
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 CASES = [
@@ -267,8 +267,9 @@ def test_a_later_chunk_reads_pages_past_the_dense_bounds(dense_folder, monkeypat
     assert calls == [40] * layers + [64] * layers  # 64 rows after 200 keys: dense
 
 
-@pytest.mark.parametrize("last_mixer", ["attention", "gdn"])
-def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder, tmp_path, last_mixer):
+@pytest.mark.parametrize("last_mixer,kernel_set", [("attention", "reference"), ("gdn", "reference"),
+                                                   ("attention", "triton")])
+def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder, tmp_path, last_mixer, kernel_set):
     """A prefill chunk's logits are each lane's last row's: past the last layer's K/V those rows alone are
     computed - that attention layer's queries, its norm and MLP (one row a lane, padding lanes and short lanes
     included) - every row when all rows' logits are asked for or the last layer is tapped; the logits are those
@@ -291,7 +292,7 @@ def test_only_each_lanes_last_row_passes_the_last_layers_mixer(dense_folder, tmp
                              ("tapped", dict(tap_layer_ids=(1, last)))):
             pool = SlotPool(model.cfg, 3, 64, torch.float32, "cpu")
             batch = ExtendBatch.build([(2, 0, prompts[0]), (0, 0, prompts[1])], "cpu", pad_lanes_to=3)
-            logits, taps = model.extend(batch, pool, reference_kernels(), **kwargs)
+            logits, taps = model.extend(batch, pool, kernels_named(kernel_set), **kwargs)
             runs[name] = logits, taps, pool.recurrent_state.clone(), pool.key_cache.clone()
     finally:
         for hook in hooks:

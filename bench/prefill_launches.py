@@ -53,9 +53,9 @@ def main() -> None:
 
     gdn_module.chunk_gated_delta_rule_padded = chunk_rule_counted
     folder = save_checkpoint(build_hf_model("dense_gqa", seed=3), Path(tempfile.mkdtemp()) / "target")
-    model = load_model(folder, device="cpu", dtype=torch.bfloat16, progress=False)
+    model = load_model(folder, device="cpu", dtype=torch.float16, progress=False)  # (the interpreter has no bf16 constants)
     L, T = args.lanes, args.rows
-    pool = SlotPool(model.cfg, L + 2, 2 * T, torch.bfloat16, "cpu")
+    pool = SlotPool(model.cfg, L + 2, 2 * T, torch.float16, "cpu")
     slots = list(range(L - 1)) + [-1]
     batch = ExtendBatch.padded(torch.zeros(L, T, dtype=torch.long), torch.tensor(slots), torch.zeros(L, dtype=torch.long),
                                torch.tensor([T // 2 + 1] * (L - 1) + [0]), torch.tensor(list(range(L - 1)) + [L]),

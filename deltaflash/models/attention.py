@@ -72,13 +72,15 @@ class GatedAttention(MergedProjections):
         over each lane's pages up to its length. No host syncs: CUDA-graph safe. Returns [L, T, H] ([L, 1, H]
         with rows.queries)."""
         a_i = self.attn_index
-        q, k, v = self.project(x)
-        q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
         q_rope = rope
-        if rows.queries is not None:  # one query a lane: [L, 1, ...]
-            lanes = torch.arange(q.shape[0], device=q.device)
-            q, gate = q[lanes, rows.queries, None], gate[lanes, rows.queries, None]
+        if rows.queries is None:
+            q, k, v = self.project(x)
+        else:  # every row's keys and values, one query a lane: [L, 1, ...]
+            k, v = self.project_from(x, 1)
+            lanes = torch.arange(x.shape[0], device=x.device)
+            q = self.q_proj(x[lanes, rows.queries, None])
             q_rope = tuple(t[lanes, rows.queries, None] for t in rope)
+        q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
         q = kernels.rope(self.q_norm(q, kernels), *q_rope)
         k = kernels.rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)
         v = v.unflatten(-1, (self.nkv, self.hd))

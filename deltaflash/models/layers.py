@@ -95,6 +95,12 @@ class MergedProjections(nn.Module):
                                "once the weights are loaded")
         return self.linear(x, self.merged_weight, self.merged_bias).split(self.merged_sizes, dim=-1)
 
+    def project_from(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, ...]:
+        """The outputs of PROJECTIONS[first:] alone: one GEMM over their rows of the merged matrix (a view)."""
+        start = sum(self.merged_sizes[:first])
+        bias = None if self.merged_bias is None else self.merged_bias[start:]
+        return self.linear(x, self.merged_weight[start:], bias).split(self.merged_sizes[first:], dim=-1)
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     """fp32 `x * rsqrt(mean(x^2) + eps) * (1 + w)`, cast back to x's dtype."""

@@ -1,0 +1,15 @@
+# s38 call 2 (the ~6 device minutes left): on any card, the 2048-token TTFT at HEAD (each lane's last row alone past
+# the last layer's K/V) against 85e3987 (.out/old), alternated, then the GPU target tests of the changed prefill.
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $name"; date -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
+mkdir -p /tmp/triton-cache && cat .tcache/triton-cache.tgz.part-* | tar xzf - -C /tmp/triton-cache
+export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
+for i in 1 2; do
+  for tree in . .out/old; do
+    echo "== $tree 2048 $i" >> $OUT/ttft.txt
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 45 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 4 >> $OUT/ttft.txt 2>&1)
+  done
+done
+grep -E "^== |TTFT by CUDA|TTFT of one" $OUT/ttft.txt | cut -c1-220
+DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=80 TESTS="tests/test_gpu_target.py" bash bench/gpu_checks.sh $OUT tests
+grep -E "passed|failed|=== " $OUT/log.txt | tail -3

@@ -756,6 +756,8 @@ def test_prompt_too_long_for_the_context_is_a_clear_error(pairs):
 def test_prompt_tokens_are_checked_against_the_vocabulary(pairs):
     """An empty prompt, a token id outside 0..V-1 (either end) and ids that are not a flat list of integers
     are clear errors (the id named); ids of any integer type (numpy, a tensor's) are taken as Python ints."""
+    import warnings
+
     import numpy as np
 
     from deltaflash.errors import RequestError
@@ -776,9 +778,11 @@ def test_prompt_tokens_are_checked_against_the_vocabulary(pairs):
     assert engine.scheduler.waiting[0].prompt_ids == [1, vocab - 1, 2]
     assert all(type(t) is int for t in engine.scheduler.waiting[0].prompt_ids)
     for ids in (torch.tensor([4, 5]), [np.int32(4), np.int64(5)]):
-        engine.add_request(ids, SamplingParams(max_new_tokens=2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (numpy 2 warns of a tensor's __array__, and will refuse it)
+            engine.add_request(ids, SamplingParams(max_new_tokens=2))
         assert engine.scheduler.waiting[-1].prompt_ids == [4, 5]
-    for bad in ([1.5, 2], ["3"], [[1, 2], [3]], [[1, 2]], [True, False]):  # clear errors, nothing queued
+    for bad in ([1.5, 2], ["3"], [[1, 2], [3]], [[1, 2]], [True, False], torch.tensor([1.5])):  # nothing queued
         with pytest.raises(RequestError, match="token ids"):
             engine.add_request(bad, SamplingParams(max_new_tokens=2))
     assert len(engine.scheduler.waiting) == 3

@@ -147,6 +147,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         params.validate()
         # one conversion in C to our own array (prefill steps copy from it), the range check on it, one back to ints
+        if isinstance(prompt_ids, torch.Tensor):  # (its __array__ predates numpy 2's copy keyword)
+            prompt_ids = prompt_ids.tolist()
         try:
             prompt = np.array(prompt_ids)
         except ValueError:  # (ragged nesting)

@@ -10,7 +10,7 @@ from torch import nn
 
 from deltaflash.cache.slots import SlotPool
 from deltaflash.config import ModelConfig
-from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm
+from deltaflash.models.layers import MergedProjections, ZeroCenteredRMSNorm, rows_at
 from deltaflash.ops.kernels import Kernels
 
 
@@ -77,9 +77,8 @@ class GatedAttention(MergedProjections):
             q, k, v = self.project(x)
         else:  # every row's keys and values, one query a lane: [L, 1, ...]
             k, v = self.project_from(x, 1)
-            lanes = torch.arange(x.shape[0], device=x.device)
-            q = self.q_proj(x[lanes, rows.queries, None])
-            q_rope = tuple(t[lanes, rows.queries, None] for t in rope)
+            q = self.q_proj(rows_at(x, rows.queries))
+            q_rope = tuple(rows_at(t, rows.queries) for t in rope)
         q, gate = q.unflatten(-1, (self.nh, 2 * self.hd)).chunk(2, dim=-1)
         q = kernels.rope(self.q_norm(q, kernels), *q_rope)
         k = kernels.rope(self.k_norm(k.unflatten(-1, (self.nkv, self.hd)), kernels), *rope)

@@ -13,6 +13,12 @@ from deltaflash.ops.kernels import Kernels
 from deltaflash.ops.rope.naive import apply_rope_ref
 
 
+def rows_at(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [L, T, ...] -> [L, 1, ...]: row index[l] of each lane l (one gather, no host sync)."""
+    shape = (t.shape[0], 1, *t.shape[2:])
+    return t.gather(1, index.view(-1, *[1] * (t.dim() - 1)).expand(shape))
+
+
 class RoutedLinear(nn.Linear):
     """nn.Linear whose product is `self.product(x, weight, bias)` (what `route_products` turns a Linear into)."""
 

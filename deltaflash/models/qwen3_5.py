@@ -16,7 +16,8 @@ from deltaflash.config import ModelConfig
 from deltaflash.core.batch import ExtendBatch, VerifyBatch, VerifyOutput
 from deltaflash.models.attention import AttentionRows, GatedAttention
 from deltaflash.models.gdn import GatedDeltaNet
-from deltaflash.models.layers import MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin
+from deltaflash.models.layers import (MergedProjections, SparseMoE, SwiGLU, ZeroCenteredRMSNorm, rope_cos_sin,
+                                      rows_at)
 from deltaflash.models.vocab import Vocab
 from deltaflash.ops.attention import dense as dense_attention
 from deltaflash.ops.kernels import Kernels
@@ -84,10 +85,11 @@ class Qwen35Model(nn.Module):
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels, last_rows=None):
         """Each residual add is done by the norm that follows it (kernels.add_rms_norm: one pass), but
-        for a tapped layer's and the last layer's MLP output, added on its own. last_rows [L] (x [L, T, H],
-        the last layer untapped): only those rows of each lane go on past the last layer's mixer - its norm
-        and MLP act on each row alone, and the other rows' outputs are never read - and the result is [L, H];
-        an attention layer there computes those rows' queries alone (`attend(attn, h, last_rows)`)."""
+        for a tapped layer's and the last layer's MLP output, added on its own. last_rows [L] (x [L, T, H];
+        the caller's promise: the last layer untapped): only those rows of each lane go on past the last
+        layer's mixer - its norm and MLP act on each row alone, and the other rows' outputs are never read -
+        and the result is [L, H]; an attention layer there computes those rows' queries alone
+        (`attend(attn, h, last_rows)`)."""
         taps, pending = [], None  # pending: the previous MLP output, not yet added to x
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -96,12 +98,9 @@ class Qwen35Model(nn.Module):
             else:
                 x, h = layer.input_layernorm.add_and_norm(x, pending, kernels)
             if i == last and last_rows is not None:
-                if last in tap_layer_ids:
-                    raise ValueError("last_rows with the last layer tapped: its tap is every row's output")
-                lanes = torch.arange(x.shape[0], device=x.device)
-                x = x[lanes, last_rows]
+                x = rows_at(x, last_rows)[:, 0]
                 if layer.is_gdn:
-                    out = self.reduce(gdn(layer.linear_attn, h))[lanes, last_rows]
+                    out = rows_at(self.reduce(gdn(layer.linear_attn, h)), last_rows)[:, 0]
                 else:
                     out = self.reduce(attend(layer.self_attn, h, last_rows))[:, 0]
             else:
@@ -137,8 +136,6 @@ class Qwen35Model(nn.Module):
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
         taps [L, T, n_taps*H] or None). A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
-        L = batch.input_ids.shape[0]
-        device = batch.input_ids.device
         x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
@@ -154,13 +151,14 @@ class Qwen35Model(nn.Module):
         gdn = lambda mixer, h: mixer.extend(h, batch, pool, kernels)  # noqa: E731
         # each lane's last row is all that leaves the forward (its logits), unless every row's logits do or the
         # last layer is tapped: past the last layer's K/V (or GDN state) only those rows are computed
-        last_rows = None if all_logits or len(self.layers) - 1 in tap_layer_ids else (batch.n_rows - 1).clamp(min=0)
-        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels, last_rows)
+        last = (batch.n_rows - 1).clamp(min=0)
+        trim = not all_logits and len(self.layers) - 1 not in tap_layer_ids
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels, last if trim else None)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):  # (a fixed-shape
             if slot >= 0:  # batch has no host mirrors: its caller records the lengths)
                 pool.lengths[slot] = start + n
-        if last_rows is None and not all_logits:
-            x = x[torch.arange(L, device=device), (batch.n_rows - 1).clamp(min=0)]
+        if not trim and not all_logits:
+            x = rows_at(x, last)[:, 0]
         return self.logits(x, kernels), taps
 
     @torch.inference_mode()

@@ -119,6 +119,43 @@ def test_completion_logprobs_greedy_agree_with_and_without_drafter(spec, plain):
     assert sum((s.tokens for s in streamed), []) == lp.tokens
 
 
+def test_echo_scores_the_prompt_with_and_without_drafter(spec, plain):
+    """echo with logprobs: the text and the logprobs begin with the prompt's (its first token: null), as
+    evaluation harnesses score a text; max_tokens 0 scores it alone. Both servers agree, the prompt's entries
+    do not depend on what follows, and the generated part is the plain request's."""
+    prompt_text = "".join(token_texts(spec, PROMPT))
+    scored = []
+    for server in (spec, plain):
+        alone = completion(server, echo=True, logprobs=2, max_tokens=0).choices[0]
+        assert alone.text == prompt_text and alone.finish_reason == "length"
+        lp = alone.logprobs
+        assert lp.tokens == token_texts(server, PROMPT) and lp.text_offset == [sum(len(t) for t in lp.tokens[:i])
+                                                                               for i in range(len(PROMPT))]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for chosen, token, top in zip(lp.token_logprobs[1:], lp.tokens[1:], lp.top_logprobs[1:]):
+            assert chosen <= 0 and top[token] >= chosen and 1 <= len(top) <= 3  # (same-text tokens: the likelier)
+        scored.append(lp.token_logprobs[1:])
+        response = completion(server, echo=True, logprobs=2, ignore_eos=True, return_token_ids=True)
+        both = response.choices[0]
+        alone_generated = completion(server, logprobs=2, ignore_eos=True, return_token_ids=True).choices[0]
+        assert both.text == prompt_text + alone_generated.text and both.token_ids == alone_generated.token_ids
+        assert both.logprobs.token_logprobs[1:len(PROMPT)] == pytest.approx(scored[-1], abs=1e-5)
+        assert both.logprobs.token_logprobs[len(PROMPT):] == pytest.approx(alone_generated.logprobs.token_logprobs,
+                                                                          abs=1e-4)
+        assert response.usage.prompt_tokens == len(PROMPT) and response.usage.completion_tokens == 12
+    assert scored[0] == pytest.approx(scored[1], abs=1e-5)
+
+    chunks = list(completion(spec, echo=True, logprobs=1, max_tokens=3, ignore_eos=True, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(prompt_text) and first.logprobs.token_logprobs[0] is None
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == \
+        prompt_text + completion(spec, max_tokens=3, ignore_eos=True).choices[0].text
+    plain_echo = completion(plain, echo=True, ignore_eos=True).choices[0]  # no logprobs: the text alone
+    assert plain_echo.text.startswith(prompt_text) and plain_echo.logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        completion(plain, max_tokens=0)  # without echo there is nothing to return
+
+
 def test_chat_logprobs_greedy_agree_with_and_without_drafter(spec, plain):
     results = []
     for server in (spec, plain):

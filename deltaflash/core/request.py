@@ -36,7 +36,9 @@ class SamplingParams:
     ((token id, bias), ...), min_tokens (stop tokens are masked until that many were generated),
     grammar (only tokens the grammar allows). min_p (0 = off) filters the sampling distribution like
     top_p. logprobs: None = none; k >= 0 = each generated token's log probability and the k most
-    likely tokens of its row (the model's distribution, before any rule or temperature)."""
+    likely tokens of its row (the model's distribution, before any rule or temperature). prompt_logprobs: None
+    = none; k >= 0 = the same for each prompt token after the first (from the row before it: what scoring a
+    text needs, the `echo` of OpenAI's completions); max_new_tokens may then be 0 (the prompt alone)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -52,6 +54,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None
     tree_budget: int | None = None  # nodes of this request's draft trees (at most the engine's); None: the engine's
 
@@ -65,8 +68,10 @@ class SamplingParams:
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0 or \
+                self.max_new_tokens == 0 and self.prompt_logprobs is None:
+            raise RequestError(f"max_new_tokens must be a positive integer (0 only with prompt_logprobs: the "
+                               f"prompt scored alone), got {self.max_new_tokens!r}")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -87,8 +92,10 @@ class SamplingParams:
                 raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise RequestError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.tree_budget is not None and not 1 <= self.tree_budget <= 64:
             raise RequestError(f"tree_budget must be in [1, 64], got {self.tree_budget}")
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
@@ -136,6 +143,7 @@ class Sequence:
     draws: int = 0           # sampling steps taken (the noise counter)
     matcher: object | None = None  # the grammar's state (speculative/grammar.py) when params.grammar is set
     logprobs: list = field(default_factory=list)  # per generated token (TokenLogprob), when params.logprobs is set
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token from the second on, when asked for
     preemptions: int = 0     # times its slot and pages were taken back to make room (it was recomputed)
     widths: list[int] = field(default_factory=list)  # rows it verified, per round it took part in
     # load-adaptive speculation (speculative/policy.py): decayed tries and hits of each draft position,
@@ -200,13 +208,15 @@ class TokenLogprob:
 
 class StepEvent(NamedTuple):
     """Tokens a step produced for one request (and their logprobs, when asked for); `finish_reason`
-    set on its last event. A named tuple: a step builds one per lane, and a frozen dataclass costs
+    set on its last event; `prompt_logprobs` (when asked for) on the event that ends its prompt's prefill,
+    one per prompt token from the second on. A named tuple: a step builds one per lane, and a frozen dataclass costs
     five times as much to build."""
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +264,7 @@ class Completion:
     accepted_lengths: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # rows the request verified per round (1: no drafts)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens from the second on
 
 
 _ids = itertools.count()

@@ -20,7 +20,7 @@ from deltaflash.core.request import (
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import buckets_for
 from deltaflash.engine.runner import ModelRunner, StepResult
-from deltaflash.engine.scheduler import Scheduler, StepPlan
+from deltaflash.engine.scheduler import Scheduler, StepPlan, scoring_rows
 from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
 from deltaflash.speculative.policy import TreeChoice, WidthPolicy
@@ -56,6 +56,7 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
         self.scheduler.eager_prefill_rows = self.runner.eager_prefill_rows()
+        self.scheduler.scoring_rows = scoring_rows(self.cfg.vocab_size)
         if self.config.adaptive or self.config.scale_prefill_budget or self.config.max_prefill_stall:
             self.scheduler.costs = self.runner.calibrate()  # after capture: it times what rounds will replay
         if self.config.adaptive:
@@ -239,15 +240,23 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
         completed = iter(zip(result.first.tokens, result.first.logprobs))
-        for chunk in plan.prefill:
+        for i, chunk in enumerate(plan.prefill):
             seq = chunk.seq
             seq.num_prefilled += len(chunk.tokens)
             self.stats["prefill_tokens"] += len(chunk.tokens)
+            seq.prompt_logprobs.extend(result.prompt_logprobs.get(i, ()))
             if chunk.last:
                 seq.status = Status.DECODING
                 if chunk.emits:  # a resumed sequence's pending token was emitted before its preemption
                     seq.draws += 1
-                    self._emit(seq, *next(completed), events)
+                    first = next(completed)
+                    if seq.params.max_new_tokens:
+                        self._emit(seq, *first, events)
+                    else:  # the prompt scored alone
+                        self.scheduler.finish(seq, "length")
+                        events.append(StepEvent(seq.request_id, (), "length"))
+                    if seq.params.prompt_logprobs is not None:  # with the first event, once
+                        events[-1] = events[-1]._replace(prompt_logprobs=tuple(seq.prompt_logprobs))
         if plan.decode:
             self.stats["decode_rounds"] += 1
         out, scheduler = result.round, self.scheduler
@@ -325,5 +334,5 @@ class Engine:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         completions = [Completion(i, seqs[i].prompt_ids, out[i], reasons[i], seqs[i].accepted_lengths,
-                                  seqs[i].logprobs, seqs[i].widths) for i in ids]
+                                  seqs[i].logprobs, seqs[i].widths, seqs[i].prompt_logprobs) for i in ids]
         return completions, elapsed

@@ -39,7 +39,7 @@ from deltaflash.ops.gdn import fla_launch
 from deltaflash.ops.gemm.invariant import invariant_linear
 from deltaflash.ops.gemm.skinny import SkinnyGemms
 from deltaflash.ops.kernels import kernels_named
-from deltaflash.speculative.acceptance import Accepted, accept
+from deltaflash.speculative.acceptance import Accepted, accept, token_logprobs
 from deltaflash.speculative.grammar import lane_masks
 from deltaflash.speculative.logit_rules import LogitRules, PenaltyHistory
 from deltaflash.speculative.sampling import ALL_GREEDY, LaneSampling
@@ -73,6 +73,8 @@ class StepResult:
     prefill_graphed: bool = False  # the step's prefill replayed a prefill graph
     device_idle_s: float | None = None  # the device's wait for this step since the previous one (IdleClock)
     prefill_rows: int = 0  # rows the step's prefill computed: a replayed graph's lanes x T, padding included
+    # prompt tokens' logprobs by prefill chunk index (plan order), for the chunks whose request asks for them
+    prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -384,7 +386,7 @@ class ModelRunner:
             if self.source is not None:
                 self.source.reset(seq.slot)
         t0 = time.perf_counter()
-        first, graphed = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, 0)
+        first, graphed, scores = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, 0, {})
         t1 = clock = time.perf_counter()
         round_, marks = None, []
         if plan.decode:
@@ -398,6 +400,7 @@ class ModelRunner:
         late_tree = round_ is not None and round_.tree is not None and not round_.committed
         extras = (round_.tree.parents,) if late_tree else ()
         (first_out, round_out), parents = read_emitted([first, round_.accepted if round_ else None], extras)  # the one sync
+        prompt_logprobs = {i: read_scores(plan.prefill[i], s) for i, s in scores.items()}  # (after it: no wait)
         # only a read waits for the device to pass the step's begin event (a prefill chunk that does not
         # finish its prompt has nothing to read: its wait is not measured)
         idle = self.idle_clock.idle_s() if first is not None or round_ is not None else None
@@ -415,31 +418,77 @@ class ModelRunner:
         return StepResult(first_out, round_out, prefill_s=t1 - t0,
                           decode_s=time.perf_counter() - t1 - overlap_s if round_ else 0.0, phases=phases,
                           prefill_graphed=graphed > 0, device_idle_s=idle,
-                          prefill_rows=graphed or sum(len(c.tokens) for c in plan.prefill))
+                          prefill_rows=graphed or sum(len(c.tokens) for c in plan.prefill),
+                          prompt_logprobs=prompt_logprobs)
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, int]:
+    def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, int, dict]:
         """Run the chunks (`alone`: the step decodes nothing); returns (the first tokens [n, 1] of the
         chunks that complete their prompt, or None; the rows of the prefill graph that ran them, padding
-        included, or 0 where they ran eagerly)."""
-        one = chunks[0]
-        long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
-            and dense_attention.gathers(one.start, len(one.tokens))
-        replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
-        logits, graphed = replayed if replayed is not None else (None, 0)
-        if logits is None:
-            batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
-            logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
-            self._append_prompt_rows(batch, taps)
+        included, or 0 where they ran eagerly; the prompt logprobs of chunks whose request asks for them, by
+        chunk index: `_score_prompt`'s tensors)."""
+        scored = [i for i, c in enumerate(chunks) if c.seq.params.prompt_logprobs is not None]
+        if scored:
+            logits, graphed, scores = self._prefill_scored(chunks, scored, alone)
+        else:
+            (logits, graphed), scores = self._prefill_logits(chunks, alone), {}
         done = [i for i, c in enumerate(chunks) if c.emits]
         if not done:
-            return None, graphed
+            return None, graphed, scores
         seqs = [chunks[i].seq for i in done]
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
         rows = (logits if len(done) == len(chunks) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         drafts = none[:, None][:, :0]
-        return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed
+        return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed, \
+            scores
+
+    def _prefill_logits(self, chunks: tuple[PrefillChunk, ...], alone: bool) -> tuple[Tensor, int]:
+        """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly)."""
+        one = chunks[0]
+        long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
+            and dense_attention.gathers(one.start, len(one.tokens))
+        replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
+        return replayed if replayed is not None else (self._extend(chunks)[0], 0)
+
+    def _extend(self, chunks, all_logits: bool = False) -> tuple[Tensor, ExtendBatch]:
+        """The chunks' eager prefill forward, their rows appended to the draft context: (logits [n, V] of
+        each chunk's last row, or [n, T, V] of every row with all_logits; the batch)."""
+        batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
+        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids,
+                                         all_logits=all_logits)
+        self._append_prompt_rows(batch, taps)
+        return logits, batch
+
+    def _prefill_scored(self, chunks: tuple[PrefillChunk, ...], scored: list[int], alone: bool):
+        """_prefill's work where the chunks `scored` (indices) ask for prompt logprobs: those run eagerly in a
+        forward of their own that keeps every row's logits (the scheduler cuts them to `scoring_rows` tokens:
+        Scheduler.scoring_rows), the others as ever. Returns (last-row logits [n, V] in chunk order, graph
+        rows, scores by chunk index)."""
+        others = [i for i in range(len(chunks)) if i not in scored]
+        parts, graphed = [], 0
+        if others:
+            logits, graphed = self._prefill_logits(tuple(chunks[i] for i in others), alone)
+            parts.append(logits)
+        every, batch = self._extend([chunks[i] for i in scored], all_logits=True)  # [L, T, V]
+        scores = {i: self._score_prompt(chunks[i], every[j]) for j, i in enumerate(scored)}
+        lanes = torch.arange(len(scored), device=self.device)
+        parts.append(every[lanes, batch.n_rows - 1])
+        order = np.argsort(np.array(others + scored))  # chunk i's row in the concatenation
+        return torch.cat(parts)[to_device(order, self.device)], graphed, {i: s for i, s in scores.items() if s}
+
+    def _score_prompt(self, chunk: PrefillChunk, logits: Tensor) -> tuple:
+        """The logprobs of the prompt tokens this chunk's rows predict (row r: the token at start + r + 1),
+        those the request has not been given yet (a recomputed prefix after a preemption has): (index of
+        the first such prompt token, logprobs [m], top ids [m, k] or None, top logprobs [m, k] or None), or ()."""
+        seq = chunk.seq
+        first = max(chunk.start + 1, 1 + len(seq.prompt_logprobs))
+        end = min(chunk.start + len(chunk.tokens), len(seq.prompt_ids) - 1) + 1  # prompt tokens first..end-1
+        if first >= end:
+            return ()
+        targets = to_device(seq.prompt_array[first:end], self.device)
+        rows = logits[first - 1 - chunk.start:end - 1 - chunk.start]
+        return (first, *token_logprobs(rows, targets, seq.params.prompt_logprobs))
 
     def _append_prompt_rows(self, batch: ExtendBatch, taps: Tensor | None, graphs: bool = True) -> None:
         """A prefill's valid rows become draft context."""
@@ -718,6 +767,15 @@ def top_logprobs(seqs) -> int | None:
     """The most top logprobs a lane asks for (None: no lane asks for logprobs)."""
     asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
     return max(asked) if asked else None
+
+
+def read_scores(chunk: PrefillChunk, scores: tuple) -> tuple[TokenLogprob, ...]:
+    """A chunk's prompt logprobs (`ModelRunner._score_prompt`'s tensors, already computed) on the host."""
+    first, logprobs, top_ids, top_values = scores
+    tokens = chunk.seq.prompt_ids[first:first + len(logprobs)]
+    none = [[]] * len(tokens)
+    ids, values = (none, none) if top_ids is None else (top_ids.tolist(), top_values.tolist())
+    return tuple(TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, logprobs.tolist(), ids, values))
 
 
 def read_emitted(results: list[Accepted | None], extras: tuple[Tensor, ...] = ()) -> tuple[list[Emitted], list]:

@@ -43,12 +43,14 @@ class ModelCard:
 @dataclass(frozen=True)
 class Prepared:
     """One API request as engine requests: the token ids of each prompt and one SamplingParams per choice.
-    Choice i samples prompts[i // n] (OpenAI's order: each prompt's n samples together)."""
+    Choice i samples prompts[i // n] (OpenAI's order: each prompt's n samples together). `echo`: each
+    prompt's text, which its choices' texts begin with (a completions request's echo), else None."""
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
     stop_strings: tuple[str, ...]
     decode: DecodeOptions
+    echo: tuple[str, ...] | None = None
 
     @property
     def n(self) -> int:
@@ -91,7 +93,7 @@ class Frontend:
         grammar = tool_grammar(req.tools, self.tool_style) if req.tools is not None else None
         if grammar is not None:  # tool_choice forces calls; protocol.py refused a structured output beside it
             s = replace(s, grammar=grammar, grammar_param="tool_choice")
-        self._check_sampling(s)
+        self._check_sampling(s, req.echo)
         if req.chat:
             prompts = {"messages": self._prompt_ids(None, req.messages, "messages", req.text_bytes, tools=req.tools)}
         else:
@@ -102,9 +104,12 @@ class Frontend:
         for field, ids in prompts.items():
             base = self._params(s, field, len(ids), req.chat)
             params += [replace(base, seed=sample_seed(s.seed, i)) for i in range(req.n)]
-        return Prepared(tuple(tuple(ids) for ids in prompts.values()), tuple(params), s.stop_strings, req.decode)
+        echo = None
+        if req.echo:  # the prompt as given; token ids as text
+            echo = tuple(p if isinstance(p, str) else decode(self.tokenizer, p, req.decode) for p in req.prompts)
+        return Prepared(tuple(tuple(ids) for ids in prompts.values()), tuple(params), s.stop_strings, req.decode, echo)
 
-    def _check_sampling(self, s: Sampling) -> None:
+    def _check_sampling(self, s: Sampling, echo: bool = False) -> None:
         """The request's sampling fields against the model: token ids in the vocabulary, a tokenizer for
         what needs one, a grammar llguidance accepts."""
         vocab = self.card.vocab_size
@@ -114,7 +119,7 @@ class Frontend:
                 raise BadRequest(f"{field}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param=field)
         if self.tokenizer is None:
             for field, used in (("stop", s.stop_strings), ("logprobs", s.logprobs is not None),
-                                (s.grammar_param, s.grammar is not None)):
+                                (s.grammar_param, s.grammar is not None), ("echo", echo)):
                 if used:
                     raise BadRequest(f"{field} needs the model's tokenizer and this model folder has none",
                                      param=field)
@@ -127,7 +132,7 @@ class Frontend:
     def _params(self, s: Sampling, field: str, prompt_len: int, chat: bool) -> SamplingParams:
         """The engine's sampling parameters for one prompt (`field`) of `prompt_len` tokens."""
         room = self.card.max_model_len - prompt_len
-        if room < 1:
+        if room < (s.max_tokens != 0):  # (max_tokens 0, echo: the prompt scored alone may fill the context)
             raise BadRequest(f"{field} is {prompt_len} tokens; the context is {self.card.max_model_len} tokens "
                              "and must leave room for at least one generated token", param=field,
                              code="context_length_exceeded")
@@ -145,7 +150,7 @@ class Frontend:
             stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, min_p=s.min_p,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias, min_tokens=s.min_tokens,
-            logprobs=s.logprobs, grammar=s.grammar, tree_budget=s.tree_budget)
+            logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar, tree_budget=s.tree_budget)
         try:
             params.validate()
         except RequestError as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from deltaflash.core.request import MAX_LOGPROBS, GrammarSpec
@@ -34,6 +34,7 @@ _COMMON = MappingProxyType({
     "structured_outputs": None, "tree_budget": None,
     "echo": (False,), "suffix": ("",), "store": (False,),
 })
+_COMPLETION_NEUTRAL = MappingProxyType({**_COMMON, "echo": None})  # completions implement echo
 _COMPLETION_FIELDS = frozenset({*_COMMON, "prompt"})
 _CHAT_FIELDS = frozenset({*_COMMON, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                           "parallel_tool_calls"})
@@ -80,6 +81,7 @@ class Sampling:
     grammar: GrammarSpec | None = None
     grammar_param: str = ""
     tree_budget: int | None = None  # deltaflash's extension: nodes of this request's draft trees
+    prompt_logprobs: int | None = None  # each prompt token's logprob (and top ones) from the second on: echo
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class ApiRequest:
     of every prompt text, or of every string in the messages and the tools' JSON (0 for token ids);
     `prompt_bytes` those of each prompt. `ignored_fields`: unknown fields, as "name" or "messages[].name".
     `tools`: a chat request's function tools; None without tools or with tool_choice "none" (then the
-    template renders no tools and the answer is all content)."""
+    template renders no tools and the answer is all content). `echo` (completions): each choice's text and
+    logprobs begin with its prompt's."""
 
     chat: bool
     model: str | None
@@ -106,6 +109,7 @@ class ApiRequest:
     prompt_bytes: tuple[int, ...] = ()
     ignored_fields: tuple[str, ...] = ()
     tools: ToolRequest | None = None
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,11 @@ def parse_json(raw: bytes) -> dict:
 
 
 def parse_completion(body: dict, strict: bool = False) -> ApiRequest:
-    """`logprobs`: an integer, the top logprobs per token (OpenAI's legacy completions)."""
+    """`logprobs`: an integer, the top logprobs per token (OpenAI's legacy completions). `echo`: the answer
+    repeats the prompt, and with logprobs scores its tokens (the first has none: null); max_tokens may then be
+    0, the prompt scored alone (how evaluation harnesses compute a text's likelihood)."""
     reader = _Reader(strict)
-    fields = reader.top_level(body, _COMPLETION_FIELDS)
+    fields = reader.top_level(body, _COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     prompts = _prompts(body.get("prompt"))
     prompt_bytes = []
     for i, prompt in enumerate(prompts):
@@ -155,9 +161,15 @@ def parse_completion(body: dict, strict: bool = False) -> ApiRequest:
         if isinstance(prompt, str):
             reader.text(prompt, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         prompt_bytes.append(reader.text_bytes - before)
-    return _request(fields, reader, chat=False, prompts=prompts, messages=None,
-                    max_tokens=fields.int("max_tokens", lo=1),
-                    logprobs=fields.int("logprobs", lo=0, hi=MAX_LOGPROBS), prompt_bytes=tuple(prompt_bytes))
+    echo = fields.bool("echo", False)
+    max_tokens = fields.int("max_tokens", lo=0 if echo else 1)
+    logprobs = fields.int("logprobs", lo=0, hi=MAX_LOGPROBS)
+    req = _request(fields, reader, chat=False, prompts=prompts, messages=None, max_tokens=max_tokens,
+                   logprobs=logprobs, prompt_bytes=tuple(prompt_bytes))
+    if not echo:
+        return req
+    scored = logprobs if logprobs is not None else 0 if max_tokens == 0 else None
+    return replace(req, echo=True, sampling=replace(req.sampling, prompt_logprobs=scored))
 
 
 def parse_chat(body: dict, strict: bool = False) -> ApiRequest:
@@ -286,10 +298,10 @@ class _Reader:
                     raise BadRequest(f"unknown field {where + name!r}", param=where + name)
                 self.ignored.append((where if pattern is None else pattern) + name)
 
-    def top_level(self, body: dict, known: frozenset[str]) -> "_Fields":
-        """The body's fields; fields not implemented yet must hold a neutral value."""
+    def top_level(self, body: dict, known: frozenset[str], neutrals=_COMMON) -> "_Fields":
+        """The body's fields; fields not implemented yet (those `neutrals` gives values) must hold a neutral value."""
         self.check_known(body, known)
-        for name, neutral in _COMMON.items():
+        for name, neutral in neutrals.items():
             value = body.get(name)
             if neutral is not None and value is not None and not any(_same(value, n) for n in neutral):
                 only = " or ".join(json.dumps(n) for n in neutral)

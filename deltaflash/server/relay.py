@@ -28,6 +28,7 @@ class _Progress:
     the tokens', as they come, whether the parser has decided their text yet or not."""
 
     parser: ToolCallParser | None = None
+    echo: str | None = None       # the prompt's text, which the first output's text follows (completions' echo)
     content: list[str] = field(default_factory=list)
     calls: list[CallDelta] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -36,9 +37,11 @@ class _Progress:
     completion_tokens: int = 0
     finish_reason: str | None = None  # "tool_calls" when it stopped after a call
 
-    def add(self, out: Output) -> tuple[str, list[CallDelta]]:
-        """Take `out`; returns the content and the calls it adds."""
-        text, calls = out.text, []
+    def add(self, out: Output) -> tuple[str, list[CallDelta], tuple[TextLogprob, ...]]:
+        """Take `out`; returns the content, the calls and the logprobs it adds (an echo's first: the prompt's too)."""
+        text, calls, logprobs = out.text, [], out.logprobs or ()
+        if self.echo is not None:
+            text, logprobs, self.echo = self.echo + text, (*(out.prompt_logprobs or ()), *logprobs), None
         if self.parser is not None:
             pieces = self.parser.feed(out.text) + (self.parser.finish() if out.finish_reason else [])
             text = "".join(p.text for p in pieces if isinstance(p, TextDelta))
@@ -46,11 +49,11 @@ class _Progress:
         self.content.append(text)
         self.calls.extend(calls)
         self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs or ())
-        self.text_offset += sum(len(e.token) for e in out.logprobs or ())
+        self.logprobs.extend(logprobs)
+        self.text_offset += sum(len(e.token) for e in logprobs)
         self.completion_tokens = out.completion_tokens
         self.finish_reason = out.finish_reason and finish_reason(out.finish_reason, len(self.calls))
-        return text, calls
+        return text, calls, logprobs
 
     def choice(self, index: int, prompt_ids: tuple[int, ...]) -> Choice:
         content = "".join(self.content)
@@ -58,17 +61,21 @@ class _Progress:
                       tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls))
 
 
-def _progress(choices: int, tools: ToolRequest | None) -> list[_Progress]:
-    return [_Progress(ToolCallParser(tools) if tools is not None else None) for _ in range(choices)]
+def _progress(choices: int, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int) -> list[_Progress]:
+    """Choice i continues prompt i // n (echo: those prompts' texts)."""
+    return [_Progress(ToolCallParser(tools) if tools is not None else None, None if echo is None else echo[i // n])
+            for i in range(choices)]
 
 
 async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_tokens: int, include_usage: bool,
-                 cancel: Callable[[], None], tools: ToolRequest | None = None) -> AsyncIterator[bytes]:
+                 cancel: Callable[[], None], tools: ToolRequest | None = None, echo: tuple[str, ...] | None = None,
+                 n: int = 1) -> AsyncIterator[bytes]:
     """SSE events: chunks of the choices interleaved as they come, each with its index, a finish chunk
     per choice, then (include_usage) one usage chunk and [DONE]. Starlette cancels this generator when
     the client disconnects. `prompt_tokens`: those of every prompt, each counted once. `tools`: a chat
-    request's, whose calls stream as `delta.tool_calls`."""
-    progress = _progress(choices, tools)
+    request's, whose calls stream as `delta.tool_calls`. `echo`: the prompts' texts (choice i continues
+    prompt i // n), each choice's first chunk begins with its prompt's (and its logprobs)."""
+    progress = _progress(choices, tools, echo, n)
     finished = 0
     try:
         if fmt.chat:
@@ -80,9 +87,9 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
                 yield sse(out.error.body())
                 break
             offset = progress[index].text_offset
-            text, calls = progress[index].add(out)
-            if text or calls or out.finish_reason or out.logprobs or (fmt.return_token_ids and out.token_ids):
-                yield sse(fmt.chunk(index, text, out.token_ids, out.logprobs, progress[index].finish_reason, offset,
+            text, calls, logprobs = progress[index].add(out)
+            if text or calls or out.finish_reason or logprobs or (fmt.return_token_ids and out.token_ids):
+                yield sse(fmt.chunk(index, text, out.token_ids, logprobs, progress[index].finish_reason, offset,
                                     include_usage, [c.openai() for c in calls]))
             if out.finish_reason is not None:
                 finished += 1
@@ -95,10 +102,12 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
 
 
 async def collect(outputs: asyncio.Queue, fmt: Formatter, prompts: tuple[tuple[int, ...], ...], n: int, receive,
-                  cancel: Callable[[], None], tools: ToolRequest | None = None) -> Response:
+                  cancel: Callable[[], None], tools: ToolRequest | None = None,
+                  echo: tuple[str, ...] | None = None) -> Response:
     """Wait for every choice (choice i continues prompts[i // n]), watching the connection: a client
-    gone before the end cancels the jobs. `tools`: a chat request's, whose calls become `tool_calls`."""
-    progress = _progress(len(prompts) * n, tools)
+    gone before the end cancels the jobs. `tools`: a chat request's, whose calls become `tool_calls`.
+    `echo`: the prompts' texts, which the choices' texts begin with."""
+    progress = _progress(len(prompts) * n, tools, echo, n)
     finished = 0
     gone = asyncio.ensure_future(_disconnected(receive))
     try:

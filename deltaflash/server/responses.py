@@ -43,7 +43,8 @@ class Formatter:
     Logprobs, per token: chat {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
     "logprob", "bytes"}]}]}; completions OpenAI's legacy {"tokens", "token_logprobs", "top_logprobs":
     [{token: logprob}] (the top tokens and the chosen one), "text_offset"}, where a token's text_offset
-    is the summed length of the texts of the tokens before it in its choice."""
+    is the summed length of the texts of the tokens before it in its choice; an echoed prompt's first token
+    has null for its logprob and its top logprobs."""
 
     chat: bool
     request_id: str
@@ -119,8 +120,9 @@ class Formatter:
         for e in entries:
             offsets.append(text_offset)
             text_offset += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [_finite(e.logprob) for e in entries],
-                "top_logprobs": [_top_dict(e) for e in entries], "text_offset": offsets}
+        return {"tokens": [e.token for e in entries],
+                "token_logprobs": [None if e.logprob is None else _finite(e.logprob) for e in entries],
+                "top_logprobs": [None if e.logprob is None else _top_dict(e) for e in entries], "text_offset": offsets}
 
 
 def _chat_entry(token: str, logprob: float) -> dict:

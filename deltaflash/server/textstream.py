@@ -114,10 +114,10 @@ def _decode_stream(tokenizer, options: DecodeOptions):
 @dataclass(frozen=True)
 class TextLogprob:
     """A generated token's log probability, named by its text (`TokenTexts`), and its row's `top`
-    (text, logprob) pairs, most likely first."""
+    (text, logprob) pairs, most likely first. A prompt's first token has none (logprob None)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
 
 

@@ -46,7 +46,8 @@ class Output:
     (stop | length | cancelled: the client went away or --request-timeout) or `error`: the server failed
     (ServerFailure, 500) or shut down before the request finished (ServerUnavailable, 503). `logprobs`:
     one per token of `token_ids` when the request asked for them (None otherwise, and on outputs that
-    carry no tokens)."""
+    carry no tokens). `prompt_logprobs`: on the first output of a request that asked for them, one per
+    prompt token, the first's logprob None."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -55,6 +56,7 @@ class Output:
     finish_reason: str | None = None
     error: ApiError | None = None
     logprobs: tuple[TextLogprob, ...] | None = None
+    prompt_logprobs: tuple[TextLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -294,9 +296,12 @@ class EngineWorker:
         self._metrics.generated_tokens.inc(len(kept))
         if reason is not None:
             live.text.finish()
-        logprobs = None if event.logprobs is None else self._token_texts.logprobs(event.logprobs[:len(kept)])
+        texts = self._token_texts
+        logprobs = None if event.logprobs is None else texts.logprobs(event.logprobs[:len(kept)])
+        scored = None if event.prompt_logprobs is None else \
+            (TextLogprob(texts.text(live.job.prompt_ids[0]), None), *texts.logprobs(event.prompt_logprobs))
         self._deliver(live.job, Output(live.text.take(final=reason is not None), kept, len(live.job.prompt_ids),
-                                       live.completion_tokens, reason, logprobs=logprobs))
+                                       live.completion_tokens, reason, logprobs=logprobs, prompt_logprobs=scored))
         if reason in ("stop", "length"):
             self._metrics.observe_finished(now - live.job.submitted, live.completion_tokens, live.first_token_at,
                                            live.last_token_at)

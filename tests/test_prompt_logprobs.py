@@ -106,3 +106,18 @@ def test_prompt_logprobs_are_checked():
         SamplingParams(prompt_logprobs=21).validate()
     with pytest.raises(RequestError, match="prompt_logprobs must be an integer in"):
         SamplingParams(prompt_logprobs=-1).validate()
+
+
+def test_the_warm_requests_score_a_prompt(pair, monkeypatch):
+    """Start-up's warm requests (run on CUDA before the first client) take prompts through the scored prefill,
+    so a client's first `echo` meets no kernel for the first time."""
+    engine = engine_for(pair[0], pair[1])
+    scored, prefill = [], engine.runner._prefill_scored
+
+    def recording(chunks, which, alone):
+        scored.extend(len(chunks[i].tokens) for i in which)
+        return prefill(chunks, which, alone)
+
+    monkeypatch.setattr(engine.runner, "_prefill_scored", recording)
+    engine._warm_requests()
+    assert sorted(scored) == [16, 29] and not engine.has_work()

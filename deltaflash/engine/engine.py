@@ -107,7 +107,8 @@ class Engine:
         admission, like any retired slot. With load-adaptive widths they run once at every width in use
         (each width's commit kernels, acceptance and draft context are compiled for their own shapes); a
         tree engine whose rounds may also verify chains runs them once with every round a tree and once
-        with every round a chain.
+        with every round a chain. Last, prompts scored for their logprobs (`prompt_logprobs`: an eager forward
+        keeping every row's logits, then the scoring), one of a length divisible by 16 and one not.
         """
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         new = min(2 * self.config.block_size + 1, self.config.max_model_len - 2)
@@ -128,6 +129,8 @@ class Engine:
                 for lengths in ((16,), (1, 3, 29)):
                     prompts = [[k] * max(1, min(n, longest)) for k, n in enumerate(lengths)]
                     self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
+        self.generate([[k] * max(1, min(n, longest)) for k, n in enumerate((16, 29))],
+                      SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1))
 
     @property
     def pool(self):

@@ -23,12 +23,13 @@ def pair(tmp_path_factory):
 def oracle(pair):
     from transformers import Qwen3_5ForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
+    # (on the test device: with fla-core installed, a GPU machine's transformers runs fla's kernels)
+    model = Qwen3_5ForCausalLM.from_pretrained(pair[0], dtype=torch.float32).to(DEVICE).eval()
 
     def scores(prompt: list[int]) -> torch.Tensor:
         """log_softmax of every row of the whole prompt's forward [T, V]."""
         with torch.no_grad():
-            return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+            return model(torch.tensor([prompt], device=DEVICE)).logits[0].float().log_softmax(-1).cpu()
     return scores
 
 

@@ -1,7 +1,7 @@
 # s38's device call, waiting for a machine: bash docs/bench/cpu-s38/call1.sh [full|short|ttft] (what fits the device
 # time left). An H200 in full: issue 15's TTFT table (bench model, both compute limits). Otherwise: the 2048-token
 # TTFT at HEAD (each lane's last row alone past the last layer's K/V) against 85e3987 (exported to .out/old, carried
-# with .out), alternated; then (full, short) the GPU tests of the changed prefill; then (full) the residual-epilogue
+# with .out), alternated; then (full, short) the GPU tests of the changed prefill and of prompt logprobs; then (full) the residual-epilogue
 # lever and the conv's rows a loop step, in isolation.
 MODE=${1:-full}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $name, $MODE"; date -u
@@ -19,7 +19,7 @@ for i in 1 2; do
 done
 grep -E "^== |TTFT by CUDA|TTFT of one" $OUT/ttft.txt | cut -c1-220
 [[ $MODE == ttft ]] && exit
-DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=100 TESTS="tests/test_gpu_target.py tests/test_prefill_graphs.py tests/test_ops_gpu.py::test_conv_extend_tilings_agree_bit_for_bit" bash bench/gpu_checks.sh $OUT tests
+DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=150 TESTS="tests/test_gpu_target.py tests/test_prefill_graphs.py tests/test_ops_gpu.py::test_conv_extend_tilings_agree_bit_for_bit tests/test_prompt_logprobs.py" bash bench/gpu_checks.sh $OUT tests
 grep -E "passed|failed|=== " $OUT/log.txt | tail -3
 [[ $MODE == short ]] && exit
 export PYTHONPATH=/tmp/site:$PWD

@@ -1,5 +1,5 @@
 """Prompt logprobs (what a completion's `echo` with logprobs scores): each prompt token's log probability
-under the row before it, from a prefill that keeps every row's logits - cut into chunks, beside other
+under the row before it, from a prefill that keeps every row's hidden state - cut into chunks, beside other
 requests, with and without a drafter, resumed after a preemption - against transformers' forward of the
 whole prompt."""
 

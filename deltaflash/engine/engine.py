@@ -108,7 +108,7 @@ class Engine:
         (each width's commit kernels, acceptance and draft context are compiled for their own shapes); a
         tree engine whose rounds may also verify chains runs them once with every round a tree and once
         with every round a chain. Last, prompts scored for their logprobs (`prompt_logprobs`: an eager forward
-        keeping every row's logits, then the scoring), one of a length divisible by 16 and one not.
+        keeping every row's hidden state, then the scoring), one of a length divisible by 16 and one not.
         """
         self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
         new = min(2 * self.config.block_size + 1, self.config.max_model_len - 2)

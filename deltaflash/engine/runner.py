@@ -451,44 +451,45 @@ class ModelRunner:
         replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
         return replayed if replayed is not None else (self._extend(chunks)[0], 0)
 
-    def _extend(self, chunks, all_logits: bool = False) -> tuple[Tensor, ExtendBatch]:
+    def _extend(self, chunks, all_hidden: bool = False) -> tuple[Tensor, ExtendBatch]:
         """The chunks' eager prefill forward, their rows appended to the draft context: (logits [n, V] of
-        each chunk's last row, or [n, T, V] of every row with all_logits; the batch)."""
+        each chunk's last row, or with all_hidden every row's last hidden state [n, T, H]; the batch)."""
         batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
-        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids,
-                                         all_logits=all_logits)
+        out, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids,
+                                      all_hidden=all_hidden)
         self._append_prompt_rows(batch, taps)
-        return logits, batch
+        return out, batch
 
     def _prefill_scored(self, chunks: tuple[PrefillChunk, ...], scored: list[int], alone: bool):
         """_prefill's work where the chunks `scored` (indices) ask for prompt logprobs: those run eagerly in a
-        forward of their own that keeps every row's logits (the scheduler cuts them to `scoring_rows` tokens:
-        Scheduler.scoring_rows), the others as ever. Returns (last-row logits [n, V] in chunk order, graph
-        rows, scores by chunk index)."""
+        forward of their own that keeps every row's hidden state, projected to logits a lane at a time (the
+        scheduler cuts a scored chunk to Scheduler.scoring_rows tokens: one lane's logits stay small), the others
+        as ever. Returns (last-row logits [n, V] in chunk order, graph rows, scores by chunk index)."""
         others = [i for i in range(len(chunks)) if i not in scored]
         parts, graphed = [], 0
         if others:
             logits, graphed = self._prefill_logits(tuple(chunks[i] for i in others), alone)
             parts.append(logits)
-        every, batch = self._extend([chunks[i] for i in scored], all_logits=True)  # [L, T, V]
-        scores = {i: self._score_prompt(chunks[i], every[j]) for j, i in enumerate(scored)}
+        hidden, batch = self._extend([chunks[i] for i in scored], all_hidden=True)  # [L, T, H]
+        scores = {i: self._score_prompt(chunks[i], hidden[j]) for j, i in enumerate(scored)}
         lanes = torch.arange(len(scored), device=self.device)
-        parts.append(every[lanes, batch.n_rows - 1])
+        parts.append(self.model.logits(hidden[lanes, batch.n_rows - 1], self.kernels))
         order = np.argsort(np.array(others + scored))  # chunk i's row in the concatenation
         return torch.cat(parts)[to_device(order, self.device)], graphed, {i: s for i, s in scores.items() if s}
 
-    def _score_prompt(self, chunk: PrefillChunk, logits: Tensor) -> tuple:
-        """The logprobs of the prompt tokens this chunk's rows predict (row r: the token at start + r + 1),
-        those the request has not been given yet (a recomputed prefix after a preemption has): (index of
-        the first such prompt token, logprobs [m], top ids [m, k] or None, top logprobs [m, k] or None), or ()."""
+    def _score_prompt(self, chunk: PrefillChunk, hidden: Tensor) -> tuple:
+        """The logprobs of the prompt tokens this chunk's rows predict (row r: the token at start + r + 1; hidden
+        [T, H] its rows' last hidden states), those the request has not been given yet (a recomputed prefix
+        after a preemption has): (index of the first such prompt token, logprobs [m], top ids [m, k] or None,
+        top logprobs [m, k] or None), or ()."""
         seq = chunk.seq
         first = max(chunk.start + 1, 1 + len(seq.prompt_logprobs))
         end = min(chunk.start + len(chunk.tokens), len(seq.prompt_ids) - 1) + 1  # prompt tokens first..end-1
         if first >= end:
             return ()
         targets = to_device(seq.prompt_array[first:end], self.device)
-        rows = logits[first - 1 - chunk.start:end - 1 - chunk.start]
-        return (first, *token_logprobs(rows, targets, seq.params.prompt_logprobs))
+        logits = self.model.logits(hidden[first - 1 - chunk.start:end - 1 - chunk.start], self.kernels)
+        return (first, *token_logprobs(logits, targets, seq.params.prompt_logprobs))
 
     def _append_prompt_rows(self, batch: ExtendBatch, taps: Tensor | None, graphs: bool = True) -> None:
         """A prefill's valid rows become draft context."""

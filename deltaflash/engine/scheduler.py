@@ -89,8 +89,8 @@ class StepPlan:
 
 
 def scoring_rows(vocab_size: int) -> int:
-    """Tokens a prefill chunk of a prompt scored for its logprobs may take: its rows' fp32 logits within
-    SCORED_LOGITS values (256 MiB; 270 rows of a 248k vocabulary), at least 16 rows."""
+    """Tokens a prefill chunk of a prompt scored for its logprobs may take: its rows' fp32 logits (computed a
+    lane at a time) within SCORED_LOGITS values (256 MiB; 270 rows of a 248k vocabulary), at least 16 rows."""
     return max(16, SCORED_LOGITS // vocab_size)
 
 
@@ -109,8 +109,8 @@ class Scheduler:
         # the rows of prefill-graph work an eager prefill step's launching costs (ModelRunner.eager_prefill_rows;
         # measured on CUDA at start): 0 weighs an eager step by its rows alone, and prompts are then never cut
         self.eager_prefill_rows = 0.0
-        # the most tokens a chunk of a prompt scored for its logprobs takes (its forward keeps every row's
-        # logits: the engine sets it from the vocabulary, scoring_rows)
+        # the most tokens a chunk of a prompt scored for its logprobs takes (the chunk's logits are computed
+        # whole: the engine sets it from the vocabulary, scoring_rows)
         self.scoring_rows = config.max_num_batched_tokens
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)

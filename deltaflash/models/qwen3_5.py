@@ -133,9 +133,12 @@ class Qwen35Model(nn.Module):
         return False, None
 
     @torch.inference_mode()
-    def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False):
-        """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits;
-        taps [L, T, n_taps*H] or None). A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
+    def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False,
+               all_hidden: bool = False):
+        """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits, or with
+        all_hidden every row's last hidden state [L, T, H] (before the final norm: `logits` projects any
+        rows of it, a few at a time where every row's logits would not fit); taps [L, T, n_taps*H] or None).
+        A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
         x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
@@ -152,12 +155,15 @@ class Qwen35Model(nn.Module):
         # each lane's last row is all that leaves the forward (its logits), unless every row's logits do or the
         # last layer is tapped: past the last layer's K/V (or GDN state) only those rows are computed
         last = (batch.n_rows - 1).clamp(min=0)
-        trim = not all_logits and len(self.layers) - 1 not in tap_layer_ids
+        every = all_logits or all_hidden
+        trim = not every and len(self.layers) - 1 not in tap_layer_ids
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels, last if trim else None)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):  # (a fixed-shape
             if slot >= 0:  # batch has no host mirrors: its caller records the lengths)
                 pool.lengths[slot] = start + n
-        if not trim and not all_logits:
+        if all_hidden:
+            return x, taps
+        if not trim and not every:
             x = rows_at(x, last)[:, 0]
         return self.logits(x, kernels), taps
 

@@ -34,12 +34,13 @@ def oracle(pair):
 
 
 def assert_scored(entries, prompt, reference, k: int) -> None:
-    """entries: one per prompt token from the second on - its logprob and the row's k most likely tokens -
-    as the whole prompt's forward has them."""
+    """entries: one per prompt token from the second on - its logprob, its rank and the row's k most likely
+    tokens - as the whole prompt's forward has them."""
     assert [e.token_id for e in entries] == prompt[1:]
     for t, entry in enumerate(entries):
         row = reference[t]
         assert entry.logprob == pytest.approx(row[prompt[t + 1]].item(), abs=1e-4)
+        assert entry.rank == 1 + int((row > row[prompt[t + 1]] + 1e-4).sum())  # (no near-ties in a random model)
         top = row.topk(k)
         assert [i for i, _ in entry.top] == top.indices.tolist()
         assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -261,6 +261,7 @@ BAD = [  # (endpoint, body or raw bytes, status, param, words the message must c
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo",
      "echo = true is not supported"),
     ("completions", {"prompt": "x", "echo": True, "max_tokens": -1}, 400, "max_tokens", ">= 0"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "stop": [1000]}, 400, "stop", "1000"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("completions", {"prompt": []}, 400, "prompt", "non-empty"),

@@ -156,6 +156,33 @@ def test_echo_scores_the_prompt_with_and_without_drafter(spec, plain):
         completion(plain, max_tokens=0)  # without echo there is nothing to return
 
 
+def test_prompt_logprobs_as_vllm_returns_them(spec):
+    """vLLM's prompt_logprobs field: per prompt token (the first: null) its id's logprob and rank, and the row's k
+    likeliest with ranks 1..k - on each completions choice, and at the top of a chat body; the values are the
+    echo's; not with stream."""
+    with httpx.Client(base_url=spec.url, timeout=120) as http:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        scored = http.post("/v1/completions", json=body | {"prompt_logprobs": 2}).json()["choices"][0]
+        echo = http.post("/v1/completions", json=body | {"echo": True, "logprobs": 0}).json()["choices"][0]
+        entries = scored["prompt_logprobs"]
+        assert len(entries) == len(PROMPT) and entries[0] is None and echo["logprobs"]["top_logprobs"][1] is not None
+        for token, entry, logprob in zip(PROMPT[1:], entries[1:], echo["logprobs"]["token_logprobs"][1:]):
+            chosen = entry[str(token)]
+            assert chosen["logprob"] == pytest.approx(logprob, abs=1e-5)
+            by_rank = sorted(entry.values(), key=lambda e: e["rank"])
+            assert [e["rank"] for e in by_rank] == [1, 2] + ([chosen["rank"]] if chosen["rank"] > 2 else [])
+            assert sorted_desc([e["logprob"] for e in by_rank])
+            assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+        assert "prompt_logprobs" not in echo  # only when asked
+        chat_body = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "def hello"}], "max_tokens": 1,
+            "prompt_logprobs": 0}).json()
+        assert len(chat_body["prompt_logprobs"]) == chat_body["usage"]["prompt_tokens"]
+        assert chat_body["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat_body["prompt_logprobs"][1:])
+        refused = http.post("/v1/completions", json=body | {"prompt_logprobs": 1, "stream": True})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_chat_logprobs_greedy_agree_with_and_without_drafter(spec, plain):
     results = []
     for server in (spec, plain):

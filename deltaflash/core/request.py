@@ -199,11 +199,12 @@ def resolve_seed(params: SamplingParams) -> int:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log probability under the model and its row's `top` (token id, logprob)
-    pairs, most likely first."""
+    pairs, most likely first; a scored prompt token's `rank` in its row too (1: the likeliest)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 class StepEvent(NamedTuple):

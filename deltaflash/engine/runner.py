@@ -481,7 +481,7 @@ class ModelRunner:
         """The logprobs of the prompt tokens this chunk's rows predict (row r: the token at start + r + 1; hidden
         [T, H] its rows' last hidden states), those the request has not been given yet (a recomputed prefix
         after a preemption has): (index of the first such prompt token, logprobs [m], top ids [m, k] or None,
-        top logprobs [m, k] or None), or ()."""
+        top logprobs [m, k] or None, ranks [m]), or ()."""
         seq = chunk.seq
         first = max(chunk.start + 1, 1 + len(seq.prompt_logprobs))
         end = min(chunk.start + len(chunk.tokens), len(seq.prompt_ids) - 1) + 1  # prompt tokens first..end-1
@@ -489,7 +489,7 @@ class ModelRunner:
             return ()
         targets = to_device(seq.prompt_array[first:end], self.device)
         logits = self.model.logits(hidden[first - 1 - chunk.start:end - 1 - chunk.start], self.kernels)
-        return (first, *token_logprobs(logits, targets, seq.params.prompt_logprobs))
+        return (first, *token_logprobs(logits, targets, seq.params.prompt_logprobs, ranks=True))
 
     def _append_prompt_rows(self, batch: ExtendBatch, taps: Tensor | None, graphs: bool = True) -> None:
         """A prefill's valid rows become draft context."""
@@ -772,11 +772,12 @@ def top_logprobs(seqs) -> int | None:
 
 def read_scores(chunk: PrefillChunk, scores: tuple) -> tuple[TokenLogprob, ...]:
     """A chunk's prompt logprobs (`ModelRunner._score_prompt`'s tensors, already computed) on the host."""
-    first, logprobs, top_ids, top_values = scores
+    first, logprobs, top_ids, top_values, ranks = scores
     tokens = chunk.seq.prompt_ids[first:first + len(logprobs)]
     none = [[]] * len(tokens)
     ids, values = (none, none) if top_ids is None else (top_ids.tolist(), top_values.tolist())
-    return tuple(TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, logprobs.tolist(), ids, values))
+    return tuple(TokenLogprob(t, lp, tuple(zip(i, v)), rank) for t, lp, i, v, rank in
+                 zip(tokens, logprobs.tolist(), ids, values, ranks.tolist()))
 
 
 def read_emitted(results: list[Accepted | None], extras: tuple[Tensor, ...] = ()) -> tuple[list[Emitted], list]:

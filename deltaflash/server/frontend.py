@@ -119,7 +119,8 @@ class Frontend:
                 raise BadRequest(f"{field}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param=field)
         if self.tokenizer is None:
             for field, used in (("stop", s.stop_strings), ("logprobs", s.logprobs is not None),
-                                (s.grammar_param, s.grammar is not None), ("echo", echo)):
+                                (s.grammar_param, s.grammar is not None), ("echo", echo),
+                                ("prompt_logprobs", s.prompt_logprobs is not None)):
                 if used:
                     raise BadRequest(f"{field} needs the model's tokenizer and this model folder has none",
                                      param=field)

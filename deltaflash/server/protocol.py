@@ -31,7 +31,7 @@ _COMMON = MappingProxyType({
     "n": None, "best_of": None, "logprobs": None, "presence_penalty": None, "frequency_penalty": None,
     "repetition_penalty": None, "logit_bias": None, "min_p": None, "min_tokens": None, "response_format": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "tree_budget": None,
+    "structured_outputs": None, "tree_budget": None, "prompt_logprobs": None,
     "echo": (False,), "suffix": ("",), "store": (False,),
 })
 _COMPLETION_NEUTRAL = MappingProxyType({**_COMMON, "echo": None})  # completions implement echo
@@ -93,7 +93,8 @@ class ApiRequest:
     `prompt_bytes` those of each prompt. `ignored_fields`: unknown fields, as "name" or "messages[].name".
     `tools`: a chat request's function tools; None without tools or with tool_choice "none" (then the
     template renders no tools and the answer is all content). `echo` (completions): each choice's text and
-    logprobs begin with its prompt's."""
+    logprobs begin with its prompt's. `prompt_logprobs` (vLLM's field): None, or how many top logprobs each
+    prompt token's entry lists."""
 
     chat: bool
     model: str | None
@@ -110,6 +111,7 @@ class ApiRequest:
     ignored_fields: tuple[str, ...] = ()
     tools: ToolRequest | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,8 @@ def parse_completion(body: dict, strict: bool = False) -> ApiRequest:
                    logprobs=logprobs, prompt_bytes=tuple(prompt_bytes))
     if not echo:
         return req
-    scored = logprobs if logprobs is not None else 0 if max_tokens == 0 else None
-    return replace(req, echo=True, sampling=replace(req.sampling, prompt_logprobs=scored))
+    asked = [k for k in (logprobs, 0 if max_tokens == 0 else None, req.prompt_logprobs) if k is not None]
+    return replace(req, echo=True, sampling=replace(req.sampling, prompt_logprobs=max(asked, default=None)))
 
 
 def parse_chat(body: dict, strict: bool = False) -> ApiRequest:
@@ -259,6 +261,9 @@ def _request(fields: "_Fields", reader: "_Reader", chat: bool, prompts, messages
         raise BadRequest(f"best_of = {best_of} is not supported: only best_of = n ({n}), every sample returned",
                          param="best_of", code="unsupported_value")
     grammar, grammar_param = _grammar(fields.body, reader)
+    prompt_logprobs = fields.int("prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise BadRequest("prompt_logprobs are returned with the whole response: not with stream", param="prompt_logprobs")
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=fields.float("temperature", 1.0, lo=0.0),
@@ -272,14 +277,14 @@ def _request(fields: "_Fields", reader: "_Reader", chat: bool, prompts, messages
         repetition_penalty=fields.float("repetition_penalty", 1.0, lo=0.0, lo_open=True, hi=10.0),
         logit_bias=_logit_bias(fields.body.get("logit_bias")), min_tokens=fields.int("min_tokens", 0, lo=0),
         logprobs=logprobs, grammar=grammar, grammar_param=grammar_param,
-        tree_budget=fields.int("tree_budget", lo=1, hi=64))
+        tree_budget=fields.int("tree_budget", lo=1, hi=64), prompt_logprobs=prompt_logprobs)
     decode = DecodeOptions(skip_special_tokens=fields.bool("skip_special_tokens", True),
                            spaces_between_special_tokens=fields.bool("spaces_between_special_tokens", True))
     return ApiRequest(chat=chat, model=_model(fields.body), prompts=prompts, messages=messages, sampling=sampling,
                       stream=stream, include_usage=include_usage,
                       return_token_ids=fields.bool("return_token_ids", False), decode=decode,
                       text_bytes=reader.text_bytes, n=n, prompt_bytes=prompt_bytes,
-                      ignored_fields=tuple(reader.ignored), tools=tools)
+                      ignored_fields=tuple(reader.ignored), tools=tools, prompt_logprobs=prompt_logprobs)
 
 
 class _Reader:

@@ -33,6 +33,7 @@ class _Progress:
     calls: list[CallDelta] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TextLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TextLogprob, ...] = ()  # its prompt's, when scored
     text_offset: int = 0          # summed length of the token texts of its logprobs so far
     completion_tokens: int = 0
     finish_reason: str | None = None  # "tool_calls" when it stopped after a call
@@ -40,6 +41,7 @@ class _Progress:
     def add(self, out: Output) -> tuple[str, list[CallDelta], tuple[TextLogprob, ...]]:
         """Take `out`; returns the content, the calls and the logprobs it adds (an echo's first: the prompt's too)."""
         text, calls, logprobs = out.text, [], out.logprobs or ()
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
         if self.echo is not None:
             text, logprobs, self.echo = self.echo + text, (*(out.prompt_logprobs or ()), *logprobs), None
         if self.parser is not None:
@@ -58,7 +60,8 @@ class _Progress:
     def choice(self, index: int, prompt_ids: tuple[int, ...]) -> Choice:
         content = "".join(self.content)
         return Choice(index, None if self.calls and not content else content, tuple(self.token_ids),
-                      tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls))
+                      tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls),
+                      self.prompt_logprobs)
 
 
 def _progress(choices: int, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int) -> list[_Progress]:

@@ -33,6 +33,7 @@ class Choice:
     finish_reason: str
     prompt_ids: tuple[int, ...]
     tool_calls: tuple[dict, ...] = ()
+    prompt_logprobs: tuple[TextLogprob, ...] = ()  # its prompt's tokens, when scored (the first's logprob None)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,11 @@ class Formatter:
     "logprob", "bytes"}]}]}; completions OpenAI's legacy {"tokens", "token_logprobs", "top_logprobs":
     [{token: logprob}] (the top tokens and the chosen one), "text_offset"}, where a token's text_offset
     is the summed length of the texts of the tokens before it in its choice; an echoed prompt's first token
-    has null for its logprob and its top logprobs."""
+    has null for its logprob and its top logprobs (each entry's top cut to `top_logprobs`).
+
+    `prompt_logprobs` (vLLM's field; None: not asked): each completions choice's, or the chat body's,
+    `prompt_logprobs` - null for the prompt's first token, then per token {token id: {"logprob", "rank",
+    "decoded_token"}} for the token and the `prompt_logprobs` most likely ones of its row."""
 
     chat: bool
     request_id: str
@@ -52,6 +57,8 @@ class Formatter:
     created: int
     return_token_ids: bool
     logprobs: bool = False
+    top_logprobs: int = 20
+    prompt_logprobs: int | None = None
 
     def body(self, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int) -> dict:
         out = []
@@ -69,10 +76,14 @@ class Formatter:
                 choice["token_ids"] = list(c.token_ids)
                 if not self.chat:
                     choice["prompt_token_ids"] = list(c.prompt_ids)
+            if self.prompt_logprobs is not None and not self.chat:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
             out.append(choice)
         body = self._head(chunk=False) | {"choices": out, "usage": usage(prompt_tokens, completion_tokens)}
         if self.return_token_ids and self.chat:
             body["prompt_token_ids"] = list(choices[0].prompt_ids)
+        if self.prompt_logprobs is not None and self.chat:  # (every choice continues the one prompt)
+            body["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs)
         return body
 
     def chunk(self, index: int, text: str, token_ids: tuple[int, ...], logprobs: tuple[TextLogprob, ...] | None,
@@ -122,17 +133,34 @@ class Formatter:
             text_offset += len(e.token)
         return {"tokens": [e.token for e in entries],
                 "token_logprobs": [None if e.logprob is None else _finite(e.logprob) for e in entries],
-                "top_logprobs": [None if e.logprob is None else _top_dict(e) for e in entries], "text_offset": offsets}
+                "top_logprobs": [None if e.logprob is None else _top_dict(e, self.top_logprobs) for e in entries],
+                "text_offset": offsets}
+
+    def _prompt_logprobs(self, entries: Sequence[TextLogprob]) -> list[dict | None]:
+        out = []
+        for e in entries:
+            if e.logprob is None:
+                out.append(None)
+                continue
+            top = {str(e.token_id): _vllm_entry(e.logprob, e.rank, e.token)}
+            for rank, (token_id, (text, logprob)) in enumerate(zip(e.top_ids, e.top[:self.prompt_logprobs]), 1):
+                top.setdefault(str(token_id), _vllm_entry(logprob, rank, text))
+            out.append(top)
+        return out
+
+
+def _vllm_entry(logprob: float, rank: int | None, text: str) -> dict:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text}
 
 
 def _chat_entry(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
 
 
-def _top_dict(entry: TextLogprob) -> dict[str, float]:
-    """{text: logprob} of the top tokens and the chosen one; of tokens with the same text, the likelier."""
+def _top_dict(entry: TextLogprob, k: int) -> dict[str, float]:
+    """{text: logprob} of the k top tokens and the chosen one; of tokens with the same text, the likelier."""
     top: dict[str, float] = {}
-    for token, logprob in (*entry.top, (entry.token, entry.logprob)):
+    for token, logprob in (*entry.top[:k], (entry.token, entry.logprob)):
         top.setdefault(token, _finite(logprob))
     return top
 

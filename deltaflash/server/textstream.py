@@ -114,11 +114,15 @@ def _decode_stream(tokenizer, options: DecodeOptions):
 @dataclass(frozen=True)
 class TextLogprob:
     """A generated token's log probability, named by its text (`TokenTexts`), and its row's `top`
-    (text, logprob) pairs, most likely first. A prompt's first token has none (logprob None)."""
+    (text, logprob) pairs, most likely first (`top_ids`: their token ids). A prompt's first token has none
+    (logprob None); a scored prompt token has its `rank` in its row (1: the likeliest)."""
 
     token: str
     logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
+    token_id: int = -1
+    rank: int | None = None
+    top_ids: tuple[int, ...] = ()
 
 
 class TokenTexts:
@@ -139,5 +143,5 @@ class TokenTexts:
         return text
 
     def logprobs(self, entries: Sequence[TokenLogprob]) -> tuple[TextLogprob, ...]:
-        return tuple(TextLogprob(self.text(e.token_id), e.logprob, tuple((self.text(t), lp) for t, lp in e.top))
-                     for e in entries)
+        return tuple(TextLogprob(self.text(e.token_id), e.logprob, tuple((self.text(t), lp) for t, lp in e.top),
+                                 e.token_id, e.rank, tuple(t for t, _ in e.top)) for e in entries)

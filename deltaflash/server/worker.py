@@ -299,7 +299,8 @@ class EngineWorker:
         texts = self._token_texts
         logprobs = None if event.logprobs is None else texts.logprobs(event.logprobs[:len(kept)])
         scored = None if event.prompt_logprobs is None else \
-            (TextLogprob(texts.text(live.job.prompt_ids[0]), None), *texts.logprobs(event.prompt_logprobs))
+            (TextLogprob(texts.text(live.job.prompt_ids[0]), None, token_id=live.job.prompt_ids[0]),
+             *texts.logprobs(event.prompt_logprobs))
         self._deliver(live.job, Output(live.text.take(final=reason is not None), kept, len(live.job.prompt_ids),
                                        live.completion_tokens, reason, logprobs=logprobs, prompt_logprobs=scored))
         if reason in ("stop", "length"):

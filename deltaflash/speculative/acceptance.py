@@ -86,17 +86,19 @@ def _emitted(drafts: Tensor, counts: Tensor, next_token: Tensor) -> Tensor:
 def with_logprobs(accepted: Accepted, rows: Tensor, top_logprobs: int) -> Accepted:
     """`accepted` with the logprobs of its tokens: rows [L, W, V] raw target logits, row n the one
     tokens[:, n] was chosen at; k = top_logprobs most likely tokens per row (0: none)."""
-    logprobs, top_ids, top_values = token_logprobs(rows, accepted.tokens, top_logprobs)
+    logprobs, top_ids, top_values, _ = token_logprobs(rows, accepted.tokens, top_logprobs)
     return replace(accepted, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_values)
 
 
-def token_logprobs(rows: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def token_logprobs(rows: Tensor, tokens: Tensor, k: int, ranks: bool = False):
     """(log probability of tokens [...] under rows [..., V] of raw logits, fp32; the ids and log probabilities
-    [..., k] of each row's k most likely tokens, most likely first, or None for k = 0)."""
+    [..., k] of each row's k most likely tokens, most likely first, or None for k = 0; with `ranks` each
+    token's rank in its row [...] - 1 + the tokens likelier than it - else None)."""
     log_p = rows.float().log_softmax(dim=-1)
     top = log_p.topk(k, dim=-1) if k > 0 else None
-    return log_p.gather(-1, tokens[..., None])[..., 0], None if top is None else top.indices, \
-        None if top is None else top.values
+    chosen = log_p.gather(-1, tokens[..., None])
+    rank = (log_p > chosen).sum(-1) + 1 if ranks else None
+    return chosen[..., 0], None if top is None else top.indices, None if top is None else top.values, rank
 
 
 def _rejection_sample(logits, drafts, draft_q, allowed, sampling: LaneSampling) -> tuple[Tensor, Tensor]:

@@ -81,7 +81,7 @@ class Sampling:
     grammar: GrammarSpec | None = None
     grammar_param: str = ""
     tree_budget: int | None = None  # deltaflash's extension: nodes of this request's draft trees
-    prompt_logprobs: int | None = None  # each prompt token's logprob (and top ones) from the second on: echo
+    prompt_logprobs: int | None = None  # each prompt token's logprob and top ones (echo, vLLM's prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,8 @@ def _request(fields: "_Fields", reader: "_Reader", chat: bool, prompts, messages
     grammar, grammar_param = _grammar(fields.body, reader)
     prompt_logprobs = fields.int("prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
     if prompt_logprobs is not None and stream:
-        raise BadRequest("prompt_logprobs are returned with the whole response: not with stream", param="prompt_logprobs")
+        raise BadRequest("prompt_logprobs are returned with the whole response: not with stream",
+                         param="prompt_logprobs")
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=fields.float("temperature", 1.0, lo=0.0),

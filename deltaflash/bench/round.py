@@ -51,7 +51,9 @@ def _prefill_skipped(engine):
     runner, model = engine.runner, engine.runner.model
     graphs = runner.prefill_graphs
 
-    def extend(batch, pool, kernels, tap_layer_ids=(), all_logits=False):
+    def extend(batch, pool, kernels, tap_layer_ids=(), all_logits=False, all_hidden=False):
+        if all_logits or all_hidden:
+            raise ValueError("a skipped prefill returns each lane's last row alone")
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
             if slot >= 0:
                 pool.lengths[slot] = start + n

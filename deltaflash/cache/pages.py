@@ -72,16 +72,14 @@ class PageAllocator:
         n = self.missing(slot, tokens)
         if n > self.num_free:
             raise PagesExhaustedError(f"slot {slot} needs {n} more pages for {tokens} tokens; {self.num_free} free")
-        grants = []
-        for _ in range(n):
-            page = self._returned.pop() if self._returned else self._take_fresh()
-            grants.append((slot, len(self.held[slot]), page))
-            self.held[slot].append(page)
+        reused = min(n, len(self._returned))  # given-back pages first, last given back first
+        pages = self._returned[len(self._returned) - reused:][::-1] + list(range(self._fresh, self._fresh + n - reused))
+        del self._returned[len(self._returned) - reused:]
+        self._fresh += n - reused
+        held = self.held[slot]
+        grants = [(slot, index, page) for index, page in enumerate(pages, len(held))]
+        held.extend(pages)
         return grants
-
-    def _take_fresh(self) -> int:
-        self._fresh += 1
-        return self._fresh - 1
 
     def release(self, slot: int) -> int:
         """Give back every page of `slot` (retirement, cancellation, preemption); returns how many."""

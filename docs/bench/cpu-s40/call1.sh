@@ -2,9 +2,12 @@
 # model, both compute limits), then the 2048-token TTFT with the H100's fla-core launch table against fla-core's
 # autotuner (this card has no table of its own yet), alternated. Otherwise the thirty-eighth session's call
 # (docs/bench/cpu-s38/call1.sh: HEAD against 85e3987, the GPU tests of the changed prefill and of prompt logprobs, the
-# residual-epilogue lever and the conv step).
+# residual-epilogue lever and the conv step). First, on any card: the host path of a first token on this machine's
+# CPU (bench/host_path.py, a toy engine without the model): is the VM's ~1.4 ms before a prefill's replay its Python
+# (this box: ~0.2 ms) or its CUDA calls?
 MODE=${1:-full}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+CUDA_VISIBLE_DEVICES= timeout 60 python3 bench/host_path.py --requests 200 2>&1 | tail -3 | tee $OUT/host-path.txt
 if [[ $name != *H200* || $MODE != full ]]; then
   exec bash docs/bench/cpu-s38/call1.sh "$MODE"
 fi

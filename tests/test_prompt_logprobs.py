@@ -48,11 +48,11 @@ def assert_scored(entries, prompt, reference, k: int) -> None:
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["target-only", "spec"])
 def test_prompt_logprobs_equal_the_whole_prompts_forward(pair, oracle, speculative):
-    """Prompts of 41, 9 and 1 tokens scored beside an unscored request, the 41-token one in chunks of at most
-    16 tokens: every entry as transformers has it; a request of max_new_tokens 0 ends after its prefill with
-    nothing generated; scoring changes no generated token."""
-    engine = engine_for(pair[0], pair[1] if speculative else None)
-    engine.scheduler.scoring_rows = 16
+    """Prompts of 41, 9 and 1 tokens scored beside an unscored request, in steps of 16 prompt tokens, a chunk's
+    rows scored 8 at a time: every entry as transformers has it; a request of max_new_tokens 0 ends after its
+    prefill with nothing generated; scoring changes no generated token."""
+    engine = engine_for(pair[0], pair[1] if speculative else None, max_num_batched_tokens=16, idle_prefill_tokens=16)
+    engine.runner.scoring_rows = 8
     vocab = engine.cfg.vocab_size
     batch = prompts(vocab, [41, 9, 1, 23], seed=5)
     asked = [SamplingParams(max_new_tokens=0, prompt_logprobs=K),
@@ -70,14 +70,24 @@ def test_prompt_logprobs_equal_the_whole_prompts_forward(pair, oracle, speculati
     assert all_free(engine)
 
 
-def test_a_scored_prompt_is_prefilled_in_chunks_of_scoring_rows(pair):
+def test_a_scored_prompt_is_prefilled_whole_and_its_logits_computed_scoring_rows_at_a_time(pair, monkeypatch):
+    """The scheduler cuts a scored prompt as any other (here: one step); the runner projects its rows to logits
+    `scoring_rows` at a time (the 40 rows that predict prompt tokens 1..40 in blocks of 16, 16 and 8), then
+    the last row for the first token - so a step's logits stay small however long its scored chunks."""
     engine = engine_for(pair[0])
-    engine.scheduler.scoring_rows = 16
+    engine.runner.scoring_rows = 16
+    model, projected = engine.runner.model, []
+    logits = model.logits
+
+    def counting(hidden, kernels):
+        projected.append(hidden.shape[0])
+        return logits(hidden, kernels)
+    monkeypatch.setattr(model, "logits", counting)
     engine.add_request(prompts(engine.cfg.vocab_size, [41])[0], SamplingParams(max_new_tokens=0, prompt_logprobs=0))
     steps = []
     while engine.has_work():
         engine.step(on_report=lambda r: steps.append(r.prefill_tokens))
-    assert steps == [16, 16, 9]
+    assert steps == [41] and projected == [16, 16, 8, 1]
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])

@@ -20,7 +20,7 @@ from deltaflash.core.request import (
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import buckets_for
 from deltaflash.engine.runner import ModelRunner, StepResult
-from deltaflash.engine.scheduler import Scheduler, StepPlan, scoring_rows
+from deltaflash.engine.scheduler import Scheduler, StepPlan
 from deltaflash.errors import RequestError
 from deltaflash.models.loader import default_device, default_dtype, load_model
 from deltaflash.speculative.policy import TreeChoice, WidthPolicy
@@ -56,7 +56,6 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.warm_up(progress)
         self.scheduler.eager_prefill_rows = self.runner.eager_prefill_rows()
-        self.scheduler.scoring_rows = scoring_rows(self.cfg.vocab_size)
         if self.config.adaptive or self.config.scale_prefill_budget or self.config.max_prefill_stall:
             self.scheduler.costs = self.runner.calibrate()  # after capture: it times what rounds will replay
         if self.config.adaptive:

@@ -27,7 +27,7 @@ from deltaflash.cache.draft_context import DraftContextCache
 from deltaflash.cache.pages import pages_for
 from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
-from deltaflash.core.request import RoundPhases, TokenLogprob
+from deltaflash.core.request import MAX_LOGPROBS, RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs,
                                       buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
@@ -129,6 +129,7 @@ class ModelRunner:
         holds when the length was not given (`max_model_len_given`; given, a pool too small for it is an
         error): `self.config` is the final config."""
         self.model, self.cfg = model, model.cfg
+        self.scoring_rows = scoring_rows(self.cfg.vocab_size)  # rows a scored prompt's logits are computed for at once
         # the products' GEMM: cuBLAS, the batch-invariant kernel (target only) or a skinny table's tiles
         skinny = SkinnyGemms.load(config.skinny_gemm).linear if config.skinny_gemm != "off" else None
         for module, product in ((model, invariant_linear if config.batch_invariant else skinny), (drafter, skinny)):
@@ -242,10 +243,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _probe_peak_bytes(self, config: EngineConfig, drafter) -> int:
-        """Peak activation bytes of the largest prefill step (the budget's rows; with prefill graphs, the
-        rows a padded step may reach; plus the dense attention route's gathered context, which a probe
-        chunk at position 0 does not reach) plus those of a round (draft, verify) at the largest lane
-        bucket, measured on a probe pool of static pages for a few positions per slot."""
+        """Peak activation bytes of the largest prefill step (the budget's rows, every row's hidden state kept
+        and then a block of them scored as a prompt's logprobs are; with prefill graphs, the rows a padded step
+        may reach; plus the dense attention route's gathered context, which a probe chunk at position 0 does not
+        reach) plus those of a round (draft, verify) at the largest lane bucket, measured on a probe pool of
+        static pages for a few positions per slot."""
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
         rows = config.idle_prefill_tokens
         if config.prefill_graphs:
@@ -263,8 +265,12 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             if run == "prefill":
-                self.model.extend(ExtendBatch.build([(0, 0, [0] * chunk)], self.device), probe, self.kernels,
-                                  tap_layer_ids=taps)
+                hidden, _ = self.model.extend(ExtendBatch.build([(0, 0, [0] * chunk)], self.device), probe,
+                                              self.kernels, tap_layer_ids=taps, all_hidden=True)
+                n = min(chunk, self.scoring_rows)  # (_score_prompt's block)
+                token_logprobs(self.model.logits(hidden[0, :n], self.kernels),
+                               torch.zeros(n, dtype=torch.long, device=self.device), MAX_LOGPROBS, ranks=True)
+                del hidden
             else:
                 slot_ids = torch.arange(lanes, device=self.device)
                 slot_ids = torch.where(slot_ids < probe.num_slots, slot_ids, -1)
@@ -462,9 +468,9 @@ class ModelRunner:
 
     def _prefill_scored(self, chunks: tuple[PrefillChunk, ...], scored: list[int], alone: bool):
         """_prefill's work where the chunks `scored` (indices) ask for prompt logprobs: those run eagerly in a
-        forward of their own that keeps every row's hidden state, projected to logits a lane at a time (the
-        scheduler cuts a scored chunk to Scheduler.scoring_rows tokens: one lane's logits stay small), the others
-        as ever. Returns (last-row logits [n, V] in chunk order, graph rows, scores by chunk index)."""
+        forward of their own that keeps every row's hidden state, projected to logits and scored a block of
+        `scoring_rows` rows at a time (`_score_prompt`), the others as ever. Returns (last-row logits [n, V] in
+        chunk order, graph rows, scores by chunk index)."""
         others = [i for i in range(len(chunks)) if i not in scored]
         parts, graphed = [], 0
         if others:
@@ -481,15 +487,18 @@ class ModelRunner:
         """The logprobs of the prompt tokens this chunk's rows predict (row r: the token at start + r + 1; hidden
         [T, H] its rows' last hidden states), those the request has not been given yet (a recomputed prefix
         after a preemption has): (index of the first such prompt token, logprobs [m], top ids [m, k] or None,
-        top logprobs [m, k] or None, ranks [m]), or ()."""
+        top logprobs [m, k] or None, ranks [m]), or (). The rows' logits are computed `scoring_rows` at a time."""
         seq = chunk.seq
         first = max(chunk.start + 1, 1 + len(seq.prompt_logprobs))
         end = min(chunk.start + len(chunk.tokens), len(seq.prompt_ids) - 1) + 1  # prompt tokens first..end-1
         if first >= end:
             return ()
         targets = to_device(seq.prompt_array[first:end], self.device)
-        logits = self.model.logits(hidden[first - 1 - chunk.start:end - 1 - chunk.start], self.kernels)
-        return (first, *token_logprobs(logits, targets, seq.params.prompt_logprobs, ranks=True))
+        rows = hidden[first - 1 - chunk.start:end - 1 - chunk.start]  # row r predicts target r
+        blocks = [token_logprobs(self.model.logits(rows[i:i + self.scoring_rows], self.kernels),
+                                 targets[i:i + self.scoring_rows], seq.params.prompt_logprobs, ranks=True)
+                  for i in range(0, end - first, self.scoring_rows)]
+        return (first, *(None if parts[0] is None else torch.cat(parts) for parts in zip(*blocks)))
 
     def _append_prompt_rows(self, batch: ExtendBatch, taps: Tensor | None, graphs: bool = True) -> None:
         """A prefill's valid rows become draft context."""
@@ -754,6 +763,15 @@ class ModelRunner:
         if self.config.sync_phase_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def scoring_rows(vocab_size: int) -> int:
+    """Rows of a scored prompt whose logits are computed at once: their fp32 logits within SCORED_LOGITS values
+    (256 MiB; 270 rows of a 248k vocabulary), at least 16 rows."""
+    return max(16, SCORED_LOGITS // vocab_size)
+
+
+SCORED_LOGITS = 1 << 26
 
 
 def path_rows(taps: Tensor | None, path: Tensor | None) -> Tensor | None:

@@ -88,15 +88,6 @@ class StepPlan:
         return bool(self.admitted or self.prefill or self.decode)
 
 
-def scoring_rows(vocab_size: int) -> int:
-    """Tokens a prefill chunk of a prompt scored for its logprobs may take: its rows' fp32 logits (computed a
-    lane at a time) within SCORED_LOGITS values (256 MiB; 270 rows of a 248k vocabulary), at least 16 rows."""
-    return max(16, SCORED_LOGITS // vocab_size)
-
-
-SCORED_LOGITS = 1 << 26
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, policy: WidthPolicy | None = None,
                  tree_choice: TreeChoice | None = None, costs: RoundCosts | None = None):
@@ -109,9 +100,6 @@ class Scheduler:
         # the rows of prefill-graph work an eager prefill step's launching costs (ModelRunner.eager_prefill_rows;
         # measured on CUDA at start): 0 weighs an eager step by its rows alone, and prompts are then never cut
         self.eager_prefill_rows = 0.0
-        # the most tokens a chunk of a prompt scored for its logprobs takes (the chunk's logits are computed
-        # whole: the engine sets it from the vocabulary, scoring_rows)
-        self.scoring_rows = config.max_num_batched_tokens
         self.slots = SlotTable(config.max_slots)
         self.pages = PageAllocator(num_pages, config.page_size, config.max_slots)
         # pages kept free when admitting beside running sequences, so their next rounds rarely preempt
@@ -332,8 +320,6 @@ class Scheduler:
             elif fill and n < seq.prompt_left and prefill_tile(n) <= self.config.round_prefill_tokens and \
                     pads_within_reason(len(lens) + 1, prefill_tile(max(lens + [n])), sum(lens) + n):
                 n = min(seq.prompt_left, prefill_tile(n))
-            if seq.params.prompt_logprobs is not None:
-                n = min(n, self.scoring_rows)
             lens.append(n)
             budget -= n
         return lens

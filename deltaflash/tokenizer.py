@@ -3,8 +3,11 @@ server share: which text a tokenizer accepts (`utf8_length`) and how token ids b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from deltaflash.errors import RequestError
 
@@ -23,6 +26,28 @@ class DecodeOptions:
 
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the chat template renders a conversation (vLLM's fields of the same names).
+    `add_generation_prompt`: the assistant's turn is opened for the answer. `continue_final_message`: the last
+    message is left open (no end of turn) for the model to continue; it excludes add_generation_prompt.
+    `template_kwargs` (`chat_template_kwargs`): more variables for the template - Qwen3's `enable_thinking`,
+    for one - none of them a name `apply_chat_template` takes itself (`reserved_template_names`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def reserved_template_names() -> frozenset[str]:
+    """What chat_template_kwargs may not set: the template's `messages` and every parameter of transformers'
+    apply_chat_template (tokenize, chat_template, documents, ...), which are the server's to choose."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD) - {"self"} | {"messages"}
 
 
 def load_tokenizer(folder: str | Path):
@@ -52,18 +77,19 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
-    """The model's chat template (with the generation prompt by default), as /v1/chat/completions applies
-    it. `tools`: OpenAI tool definitions the template renders into its system prompt (server/tools.py
-    `ToolRequest.template_tools`); None renders none. Every string in `messages` must be valid Unicode
-    (`utf8_length`)."""
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                options: ChatOptions = ChatOptions()) -> list[int]:
+    """The model's chat template (with the generation prompt unless `options` say otherwise), as
+    /v1/chat/completions applies it. `tools`: OpenAI tool definitions the template renders into its system
+    prompt (server/tools.py `ToolRequest.template_tools`); None renders none. Every string in `messages` must
+    be valid Unicode (`utf8_length`)."""
     if tokenizer is None:
         raise RequestError("this model folder has no tokenizer, so chat is unavailable")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=options.add_generation_prompt,
+                                        continue_final_message=options.continue_final_message, tokenize=True,
+                                        **options.template_kwargs)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

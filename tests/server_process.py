@@ -28,7 +28,8 @@ CHAT_TEMPLATE = ("{% if tools %}<tools>\n{% for t in tools %}{{ t | tojson }}\n{
                  "{% endif %}{% for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n"
                  "{% for k, v in c.function.arguments | items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n"
                  "{% endfor %}</function>\n</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+                 "{% if add_generation_prompt %}<assistant>"
+                 "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
 
 
 def tiny_pair(folder: Path, drafter: bool = True) -> tuple[Path, Path | None]:

@@ -284,6 +284,12 @@ BAD = [  # (endpoint, body or raw bytes, status, param, words the message must c
                                                                               "function": {"name": "f"}}]}]},
      400, "messages[0].tool_calls[0]", "arguments"),
     ("chat/completions", {"messages": [{"role": "assistant", "content": None}]}, 400, "messages[0].content", "null"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "think"}, 400,
+     "chat_template_kwargs", "object"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
+     400, "chat_template_kwargs", "may not set tokenize"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message", "add_generation_prompt to false"),
 ]
 
 
@@ -521,6 +527,26 @@ def test_chat_messages_reach_the_template_with_name_and_tool_calls(server):
     assert tokenized["count"] == len(tokenized["tokens"]) > bare["count"] and tokenized["max_model_len"] == CONTEXT
     r = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=2)
     assert r.usage.prompt_tokens == tokenized["count"]
+
+
+def test_chat_template_fields_render_as_vllm_takes_them(server):
+    """chat_template_kwargs reach the template as variables (here Qwen3's enable_thinking: an empty think block
+    after the assistant's turn opens), continue_final_message leaves the last message open, and a chat request
+    is prompted with what /tokenize renders from the same fields."""
+    user = [{"role": "user", "content": "hi"}]
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        def rendered(**fields):
+            r = http.post("/tokenize", json=fields).json()
+            return r["count"], http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+        thinking = rendered(messages=user)
+        quiet = rendered(messages=user, chat_template_kwargs={"enable_thinking": False})
+        opened = rendered(messages=user + [{"role": "assistant", "content": "def f"}], add_generation_prompt=False,
+                          continue_final_message=True)
+    assert thinking[1] == "<user>hi\n<assistant>" and quiet[1] == "<user>hi\n<assistant><think></think>"
+    assert opened[1] == "<user>hi\n<assistant>def f"
+    r = client(server).chat.completions.create(model="tiny", messages=user, max_tokens=1,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == quiet[0] > thinking[0]
 
 
 def test_tokenize_and_detokenize(server, solo):

@@ -19,7 +19,7 @@ from deltaflash.server.errors import BadRequest, ModelNotFound
 from deltaflash.server.protocol import ApiRequest, DetokenizeRequest, Sampling, TokenizeRequest
 from deltaflash.server.tools import ToolRequest, detect_style, template_messages, tool_grammar
 from deltaflash.speculative.grammar import grammar_text
-from deltaflash.tokenizer import DecodeOptions, decode, encode_chat, encode_prompt
+from deltaflash.tokenizer import ChatOptions, DecodeOptions, decode, encode_chat, encode_prompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 # Text longer than max_model_len * MAX_BYTES_PER_TOKEN bytes of UTF-8 is refused without tokenizing it.
@@ -95,7 +95,8 @@ class Frontend:
             s = replace(s, grammar=grammar, grammar_param="tool_choice")
         self._check_sampling(s, req.echo)
         if req.chat:
-            prompts = {"messages": self._prompt_ids(None, req.messages, "messages", req.text_bytes, tools=req.tools)}
+            prompts = {"messages": self._prompt_ids(None, req.messages, "messages", req.text_bytes, req.chat_options,
+                                                    tools=req.tools)}
         else:
             fields = ["prompt"] if len(req.prompts) == 1 else [f"prompt[{i}]" for i in range(len(req.prompts))]
             prompts = {field: self._prompt_ids(prompt, None, field, n_bytes)
@@ -161,7 +162,7 @@ class Frontend:
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         self._check_model(req.model)
         field = "prompt" if req.prompt is not None else "messages"
-        return self._prompt_ids(req.prompt, req.messages, field, req.text_bytes, req.add_generation_prompt,
+        return self._prompt_ids(req.prompt, req.messages, field, req.text_bytes, req.chat_options,
                                 check_vocab=False, tools=req.tools)
 
     def detokenize(self, req: DetokenizeRequest) -> str:
@@ -179,10 +180,10 @@ class Frontend:
             raise ModelNotFound(f"model {model!r} does not exist; this server serves {self.card.name!r}",
                                 param="model")
 
-    def _prompt_ids(self, prompt, messages, field: str, text_bytes: int, add_generation_prompt: bool = True,
+    def _prompt_ids(self, prompt, messages, field: str, text_bytes: int, chat: ChatOptions = ChatOptions(),
                     check_vocab: bool = True, tools: ToolRequest | None = None) -> list[int]:
         """Token ids of a completion prompt (text or ids) or of chat messages (and the tools the template
-        renders); text too long for the context is refused before the tokenizer sees it."""
+        renders, as `chat` says); text too long for the context is refused before the tokenizer sees it."""
         limit = self.card.max_model_len * MAX_BYTES_PER_TOKEN
         if text_bytes > limit:
             raise BadRequest(f"{field} is {text_bytes} bytes of text; more than {limit} bytes ({MAX_BYTES_PER_TOKEN} "
@@ -190,8 +191,8 @@ class Frontend:
                              "tokenizing", param=field, code="context_length_exceeded")
         try:
             if messages is not None:
-                ids = encode_chat(self.tokenizer, template_messages(messages), add_generation_prompt,
-                                  tools.template_tools() if tools is not None else None)
+                ids = encode_chat(self.tokenizer, template_messages(messages),
+                                  tools.template_tools() if tools is not None else None, chat)
             else:
                 ids = list(prompt) if isinstance(prompt, tuple) else encode_prompt(self.tokenizer, prompt)
         except RequestError as exc:

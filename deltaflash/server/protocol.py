@@ -18,7 +18,7 @@ from deltaflash.core.request import MAX_LOGPROBS, GrammarSpec
 from deltaflash.errors import RequestError
 from deltaflash.server.errors import BadRequest
 from deltaflash.server.tools import ToolRequest, parse_tools
-from deltaflash.tokenizer import DecodeOptions, utf8_length
+from deltaflash.tokenizer import ChatOptions, DecodeOptions, reserved_template_names, utf8_length
 
 # The fields both generation endpoints know. None: implemented (`_request` reads it); a tuple: not
 # implemented, so only these neutral values are accepted (another value is a 400 naming the field).
@@ -36,8 +36,9 @@ _COMMON = MappingProxyType({
 })
 _COMPLETION_NEUTRAL = MappingProxyType({**_COMMON, "echo": None})  # completions implement echo
 _COMPLETION_FIELDS = frozenset({*_COMMON, "prompt"})
-_CHAT_FIELDS = frozenset({*_COMMON, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                          "parallel_tool_calls"})
+_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+_CHAT_FIELDS = frozenset({*_COMMON, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools",
+                          "tool_choice", "parallel_tool_calls"})
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # structured_outputs key -> (how its value is read, the grammar kind)
@@ -49,7 +50,7 @@ _GUIDED = MappingProxyType({"guided_json": "json", "guided_regex": "regex", "gui
 _REGEX_SPECIAL = re.compile(r"[\\.+*?()|\[\]{}^$]")
 _STREAM_OPTIONS = frozenset({"include_usage"})
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
-_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "tools"})
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", *_TEMPLATE_FIELDS})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens", "skip_special_tokens", "spaces_between_special_tokens"})
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
@@ -94,7 +95,7 @@ class ApiRequest:
     `tools`: a chat request's function tools; None without tools or with tool_choice "none" (then the
     template renders no tools and the answer is all content). `echo` (completions): each choice's text and
     logprobs begin with its prompt's. `prompt_logprobs` (vLLM's field): None, or how many top logprobs each
-    prompt token's entry lists."""
+    prompt token's entry lists. `chat_options` (chat): how the template renders the messages."""
 
     chat: bool
     model: str | None
@@ -112,18 +113,19 @@ class ApiRequest:
     tools: ToolRequest | None = None
     echo: bool = False
     prompt_logprobs: int | None = None
+    chat_options: ChatOptions = ChatOptions()
 
 
 @dataclass(frozen=True)
 class TokenizeRequest:
     """A /tokenize body: `prompt` (text, tokenized as /v1/completions does) or `messages` (through the
     chat template, as /v1/chat/completions does, with the generation prompt unless told otherwise, and
-    the `tools` when given)."""
+    the `tools` when given, as `chat_options` say)."""
 
     model: str | None
     prompt: str | None
     messages: tuple[dict, ...] | None
-    add_generation_prompt: bool
+    chat_options: ChatOptions
     text_bytes: int
     ignored_fields: tuple[str, ...] = ()
     tools: ToolRequest | None = None
@@ -181,6 +183,7 @@ def parse_chat(body: dict, strict: bool = False) -> ApiRequest:
     reader = _Reader(strict)
     fields = reader.top_level(body, _CHAT_FIELDS)
     tools = _tools(body, reader)
+    chat_options = _chat_options(fields, reader)
     max_tokens = fields.int("max_tokens", lo=1)
     max_completion = fields.int("max_completion_tokens", lo=1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -192,6 +195,7 @@ def parse_chat(body: dict, strict: bool = False) -> ApiRequest:
     req = _request(fields, reader, chat=True, prompts=None, messages=_messages(body.get("messages"), reader),
                    max_tokens=max_tokens if max_tokens is not None else max_completion,
                    logprobs=top if logprobs else None, tools=tools)
+    req = replace(req, chat_options=chat_options)
     if tools is not None and tools.choice in ("required", "function") and req.sampling.grammar is not None:
         forced = '"required"' if tools.choice == "required" else f"function {tools.function!r}"
         param = req.sampling.grammar_param
@@ -210,14 +214,15 @@ def parse_tokenize(body: dict, strict: bool = False) -> TokenizeRequest:
     if prompt is not None and body.get("tools") is not None:
         raise BadRequest("tools are rendered by the chat template: give messages, not prompt", param="tools")
     tools = _tools({"tools": body.get("tools")}, reader)
+    chat_options = _chat_options(_Fields(body), reader)
     if prompt is not None:
         if not isinstance(prompt, str):
             raise BadRequest(f"prompt must be a string, got {_kind(prompt)}", param="prompt")
         reader.text(prompt, "prompt")
     else:
         messages = _messages(messages, reader)
-    return TokenizeRequest(_model(body), prompt, messages, _Fields(body).bool("add_generation_prompt", True),
-                           reader.text_bytes, tuple(reader.ignored), tools)
+    return TokenizeRequest(_model(body), prompt, messages, chat_options, reader.text_bytes, tuple(reader.ignored),
+                           tools)
 
 
 def parse_detokenize(body: dict, strict: bool = False) -> DetokenizeRequest:
@@ -507,6 +512,29 @@ def _tools(body: dict, reader: _Reader) -> ToolRequest | None:
         return None
     reader.text_bytes += sum(len(json.dumps(t.definition, ensure_ascii=False).encode()) for t in tools.tools)
     return tools
+
+
+def _chat_options(fields: "_Fields", reader: _Reader) -> ChatOptions:
+    """vLLM's chat-template fields: add_generation_prompt (default true), continue_final_message (default false;
+    not with add_generation_prompt) and chat_template_kwargs, an object of more template variables (Qwen3's
+    enable_thinking, ...) whose JSON counts in `text_bytes`; none of them may be one the server sets itself."""
+    add, cont = fields.bool("add_generation_prompt", True), fields.bool("continue_final_message", False)
+    if add and cont:
+        raise BadRequest("continue_final_message leaves the last message open, add_generation_prompt opens a new "
+                         "turn: set add_generation_prompt to false", param="continue_final_message")
+    kwargs = fields.body.get("chat_template_kwargs")
+    if kwargs is None:
+        return ChatOptions(add, cont)
+    if not isinstance(kwargs, dict):
+        raise BadRequest(f"chat_template_kwargs must be an object of template variables, got {_kind(kwargs)}",
+                         param="chat_template_kwargs")
+    taken = sorted(reserved_template_names() & set(kwargs))
+    if taken:
+        raise BadRequest(f"chat_template_kwargs may not set {', '.join(taken)}: the server renders the template "
+                         "with its own (add_generation_prompt and continue_final_message are fields of their own)",
+                         param="chat_template_kwargs")
+    reader.text_bytes += len(json.dumps(kwargs, ensure_ascii=False).encode())
+    return ChatOptions(add, cont, MappingProxyType(dict(kwargs)))
 
 
 def _messages(messages, reader: _Reader) -> tuple[dict, ...]:

@@ -44,7 +44,8 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(pair, tmp_path_factory):
     proc = ServerProcess(pair[0], tmp_path_factory.mktemp("log") / "server.log", "--max-concurrency", "4",
-                         "--max-queue", "16", "--max-model-len", str(CONTEXT), draft=pair[1])
+                         "--max-queue", "16", "--max-model-len", str(CONTEXT), "--reasoning-parser", "qwen3",
+                         draft=pair[1])  # (the template opens no think block: answers are content unless they do)
     yield proc
     assert proc.stop() == 0, proc.log.read_text()
 
@@ -142,13 +143,15 @@ def test_calls_the_model_writes_are_parsed_with_auto(server):
 
 
 def test_tool_choice_none_and_auto_answer_with_content(server):
-    """A random model writes no call by itself; "none" also keeps the tools out of the prompt."""
+    """A random model writes no call by itself; "none" also keeps the tools out of the prompt. The reasoning
+    parser finds no thinking in answers that open no think block."""
     with_tools, without = len(tokenize(server, USER, TOOLS)), len(tokenize(server, USER))
     assert with_tools > without
     for choice, prompt_tokens in (("none", without), ("auto", with_tools)):
         r = chat(server, tool_choice=choice, max_tokens=8, ignore_eos=True)
         c = r.choices[0]
         assert c.finish_reason == "length" and c.message.tool_calls is None and isinstance(c.message.content, str)
+        assert c.message.model_extra == {"reasoning": None, "reasoning_content": None}
         assert r.usage.prompt_tokens == prompt_tokens
         part = streamed(chat(server, tool_choice=choice, max_tokens=8, ignore_eos=True, stream=True))[0]
         assert part["finish_reason"] == "length" and part["calls"] == {} and part["content"] == c.message.content

@@ -173,9 +173,10 @@ def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settin
         cancel = functools.partial(worker.cancel, *(job.request_id for job in jobs))
         if req.stream:
             events = stream(outputs, fmt, len(jobs), sum(map(len, prep.prompts)), req.include_usage, cancel,
-                            req.tools, prep.echo, prep.n)
+                            req.tools, prep.echo, prep.n, prep.reasoning)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await collect(outputs, fmt, prep.prompts, prep.n, request.receive, cancel, req.tools, prep.echo)
+        return await collect(outputs, fmt, prep.prompts, prep.n, request.receive, cancel, req.tools, prep.echo,
+                             prep.reasoning)
 
     return app
 

@@ -25,6 +25,10 @@ def register(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT; then they are answered "
                         "with HTTP 503 (code server_shutdown)")
+    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                   help="chat answers' thinking (<think> ... </think>, Qwen3 / Qwen3.5) apart from their content: "
+                        "message.reasoning (and reasoning_content), streamed as delta.reasoning (default: off, "
+                        "the thinking is content)")
     p.add_argument("--strict-fields", action="store_true",
                    help="reject request fields deltaflash does not know with HTTP 400 (default: ignore them, "
                         "logging each name once)")

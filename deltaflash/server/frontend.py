@@ -17,6 +17,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.errors import RequestError
 from deltaflash.server.errors import BadRequest, ModelNotFound
 from deltaflash.server.protocol import ApiRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from deltaflash.server.reasoning import REASONING_PARSERS, opens_reasoning
 from deltaflash.server.tools import ToolRequest, detect_style, template_messages, tool_grammar
 from deltaflash.speculative.grammar import grammar_text
 from deltaflash.tokenizer import ChatOptions, DecodeOptions, decode, encode_chat, encode_prompt
@@ -27,6 +28,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 # the context would not fit it anyway (bar pathological runs of long tokens); the bound also caps the
 # text one request can make the tokenizer thread work through.
 MAX_BYTES_PER_TOKEN = 8
+REASONING_TAIL = 16  # a chat prompt's last tokens, decoded: does the template leave a think block open?
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,16 @@ class ModelCard:
 class Prepared:
     """One API request as engine requests: the token ids of each prompt and one SamplingParams per choice.
     Choice i samples prompts[i // n] (OpenAI's order: each prompt's n samples together). `echo`: each
-    prompt's text, which its choices' texts begin with (a completions request's echo), else None."""
+    prompt's text, which its choices' texts begin with (a completions request's echo), else None. `reasoning`:
+    a chat answer's thinking is split off (server/reasoning.py) - True where the prompt leaves a think block
+    open, False where the answer may open one - or None (not parsed)."""
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
     stop_strings: tuple[str, ...]
     decode: DecodeOptions
     echo: tuple[str, ...] | None = None
+    reasoning: bool | None = None
 
     @property
     def n(self) -> int:
@@ -71,8 +76,11 @@ def sample_seed(seed: int | None, sample: int) -> int | None:
 
 
 class Frontend:
-    def __init__(self, card: ModelCard, tokenizer):
-        self.card, self.tokenizer = card, tokenizer
+    def __init__(self, card: ModelCard, tokenizer, reasoning_parser: str | None = None):
+        """reasoning_parser: "qwen3" splits chat answers' thinking from their content (server/reasoning.py)."""
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}")
+        self.card, self.tokenizer, self.reasoning_parser = card, tokenizer, reasoning_parser
         self.tool_style = detect_style(getattr(tokenizer, "chat_template", None))  # how the model writes calls
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="deltaflash-frontend")
 
@@ -108,7 +116,12 @@ class Frontend:
         echo = None
         if req.echo:  # the prompt as given; token ids as text
             echo = tuple(p if isinstance(p, str) else decode(self.tokenizer, p, req.decode) for p in req.prompts)
-        return Prepared(tuple(tuple(ids) for ids in prompts.values()), tuple(params), s.stop_strings, req.decode, echo)
+        reasoning = None
+        if req.chat and self.reasoning_parser is not None and s.grammar is None:  # (a grammar holds from token 1)
+            tail = decode(self.tokenizer, prompts["messages"][-REASONING_TAIL:], DecodeOptions(False, False))
+            reasoning = opens_reasoning(tail)
+        return Prepared(tuple(tuple(ids) for ids in prompts.values()), tuple(params), s.stop_strings, req.decode, echo,
+                        reasoning)
 
     def _check_sampling(self, s: Sampling, echo: bool = False) -> None:
         """The request's sampling fields against the model: token ids in the vocabulary, a tokenizer for

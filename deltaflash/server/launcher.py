@@ -75,7 +75,7 @@ def _serve(args, sock, port: int, engine, t0: float) -> int:
               f"{engine.runner.page_plan.describe(engine.config.max_model_len, engine.config.block_size)}",
               file=sys.stderr, flush=True)
 
-    app = build_app(Frontend(card, load_tokenizer(args.model)), worker, metrics,
+    app = build_app(Frontend(card, load_tokenizer(args.model), args.reasoning_parser), worker, metrics,
                     ServerSettings(api_key=args.api_key, strict_fields=args.strict_fields), on_ready=ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")

@@ -3,7 +3,8 @@ per choice; the outputs of all of them arrive on one queue as (choice index, Out
 goes away (or a handler that is cancelled) cancels every job, which the engine worker retires at the
 next round. A job that ends in an error (a server failure, a shutdown) ends a stream with an SSE error
 event and [DONE], or answers with the error's status; the request's other jobs are cancelled. A chat
-request with tools runs each choice's text through a tool-call parser: content and `tool_calls`."""
+request with tools runs each choice's text through a tool-call parser: content and `tool_calls`; with a
+reasoning parser, the thinking is split off first (server/reasoning.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, Response
 
+from deltaflash.server.reasoning import ReasoningParser
 from deltaflash.server.responses import DONE, Choice, Formatter, sse
 from deltaflash.server.textstream import TextLogprob
 from deltaflash.server.tools import CallDelta, TextDelta, ToolCallParser, ToolRequest, finish_reason
@@ -23,12 +25,15 @@ CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody re
 
 @dataclass
 class _Progress:
-    """One choice's outputs so far. `parser`: the tool-call parser of a chat choice with tools, which turns
-    its text into `content` and `calls`; without one the content is the text. Logprobs and token ids are
-    the tokens', as they come, whether the parser has decided their text yet or not."""
+    """One choice's outputs so far. `thinking`: the reasoning parser of a chat choice whose thinking is split
+    off (`reasoning`), the rest going on as its text; `parser`: the tool-call parser of a chat choice with
+    tools, which turns its text into `content` and `calls`; without one the content is the text. Logprobs and
+    token ids are the tokens', as they come, whether the parsers have decided their text yet or not."""
 
     parser: ToolCallParser | None = None
     echo: str | None = None       # the prompt's text, which the first output's text follows (completions' echo)
+    thinking: ReasoningParser | None = None
+    reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     calls: list[CallDelta] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -38,14 +43,21 @@ class _Progress:
     completion_tokens: int = 0
     finish_reason: str | None = None  # "tool_calls" when it stopped after a call
 
-    def add(self, out: Output) -> tuple[str, list[CallDelta], tuple[TextLogprob, ...]]:
-        """Take `out`; returns the content, the calls and the logprobs it adds (an echo's first: the prompt's too)."""
-        text, calls, logprobs = out.text, [], out.logprobs or ()
+    def add(self, out: Output) -> tuple[str, list[CallDelta], tuple[TextLogprob, ...], str]:
+        """Take `out`; returns the content, the calls, the logprobs (an echo's first: the prompt's too) and the
+        reasoning it adds."""
+        text, calls, logprobs, reasoning = out.text, [], out.logprobs or (), ""
         self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
         if self.echo is not None:
             text, logprobs, self.echo = self.echo + text, (*(out.prompt_logprobs or ()), *logprobs), None
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(text)
+            if out.finish_reason:
+                held = self.thinking.finish()
+                reasoning, text = reasoning + held[0], text + held[1]
+            self.reasoning.append(reasoning)
         if self.parser is not None:
-            pieces = self.parser.feed(out.text) + (self.parser.finish() if out.finish_reason else [])
+            pieces = self.parser.feed(text) + (self.parser.finish() if out.finish_reason else [])
             text = "".join(p.text for p in pieces if isinstance(p, TextDelta))
             calls = [p for p in pieces if isinstance(p, CallDelta)]
         self.content.append(text)
@@ -55,30 +67,33 @@ class _Progress:
         self.text_offset += sum(len(e.token) for e in logprobs)
         self.completion_tokens = out.completion_tokens
         self.finish_reason = out.finish_reason and finish_reason(out.finish_reason, len(self.calls))
-        return text, calls, logprobs
+        return text, calls, logprobs, reasoning
 
     def choice(self, index: int, prompt_ids: tuple[int, ...]) -> Choice:
         content = "".join(self.content)
         return Choice(index, None if self.calls and not content else content, tuple(self.token_ids),
                       tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls),
-                      self.prompt_logprobs)
+                      self.prompt_logprobs, "".join(self.reasoning) if self.thinking is not None else None)
 
 
-def _progress(choices: int, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int) -> list[_Progress]:
-    """Choice i continues prompt i // n (echo: those prompts' texts)."""
-    return [_Progress(ToolCallParser(tools) if tools is not None else None, None if echo is None else echo[i // n])
+def _progress(choices: int, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int,
+              reasoning: bool | None = None) -> list[_Progress]:
+    """Choice i continues prompt i // n (echo: those prompts' texts; reasoning: Prepared.reasoning)."""
+    return [_Progress(ToolCallParser(tools) if tools is not None else None, None if echo is None else echo[i // n],
+                      None if reasoning is None else ReasoningParser(reasoning))
             for i in range(choices)]
 
 
 async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_tokens: int, include_usage: bool,
                  cancel: Callable[[], None], tools: ToolRequest | None = None, echo: tuple[str, ...] | None = None,
-                 n: int = 1) -> AsyncIterator[bytes]:
+                 n: int = 1, reasoning: bool | None = None) -> AsyncIterator[bytes]:
     """SSE events: chunks of the choices interleaved as they come, each with its index, a finish chunk
     per choice, then (include_usage) one usage chunk and [DONE]. Starlette cancels this generator when
     the client disconnects. `prompt_tokens`: those of every prompt, each counted once. `tools`: a chat
     request's, whose calls stream as `delta.tool_calls`. `echo`: the prompts' texts (choice i continues
-    prompt i // n), each choice's first chunk begins with its prompt's (and its logprobs)."""
-    progress = _progress(choices, tools, echo, n)
+    prompt i // n), each choice's first chunk begins with its prompt's (and its logprobs). `reasoning`:
+    Prepared.reasoning (the thinking streams as delta.reasoning)."""
+    progress = _progress(choices, tools, echo, n, reasoning)
     finished = 0
     try:
         if fmt.chat:
@@ -90,10 +105,10 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
                 yield sse(out.error.body())
                 break
             offset = progress[index].text_offset
-            text, calls, logprobs = progress[index].add(out)
-            if text or calls or out.finish_reason or logprobs or (fmt.return_token_ids and out.token_ids):
+            text, calls, logprobs, thought = progress[index].add(out)
+            if text or calls or out.finish_reason or logprobs or thought or (fmt.return_token_ids and out.token_ids):
                 yield sse(fmt.chunk(index, text, out.token_ids, logprobs, progress[index].finish_reason, offset,
-                                    include_usage, [c.openai() for c in calls]))
+                                    include_usage, [c.openai() for c in calls], thought))
             if out.finish_reason is not None:
                 finished += 1
         if finished == choices and include_usage:
@@ -106,11 +121,12 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
 
 async def collect(outputs: asyncio.Queue, fmt: Formatter, prompts: tuple[tuple[int, ...], ...], n: int, receive,
                   cancel: Callable[[], None], tools: ToolRequest | None = None,
-                  echo: tuple[str, ...] | None = None) -> Response:
+                  echo: tuple[str, ...] | None = None, reasoning: bool | None = None) -> Response:
     """Wait for every choice (choice i continues prompts[i // n]), watching the connection: a client
     gone before the end cancels the jobs. `tools`: a chat request's, whose calls become `tool_calls`.
-    `echo`: the prompts' texts, which the choices' texts begin with."""
-    progress = _progress(len(prompts) * n, tools, echo, n)
+    `echo`: the prompts' texts, which the choices' texts begin with. `reasoning`: Prepared.reasoning (the
+    thinking becomes message.reasoning)."""
+    progress = _progress(len(prompts) * n, tools, echo, n, reasoning)
     finished = 0
     gone = asyncio.ensure_future(_disconnected(receive))
     try:

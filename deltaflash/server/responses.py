@@ -24,7 +24,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 @dataclass(frozen=True)
 class Choice:
     """One finished choice of a full body. `prompt_ids`: the prompt it continues. `text`: a chat choice's
-    content, None when the answer is only `tool_calls` (OpenAI's message format)."""
+    content, None when the answer is only `tool_calls` (OpenAI's message format). `reasoning`: its thinking,
+    split off by a reasoning parser (None: not parsed)."""
 
     index: int
     text: str | None
@@ -34,6 +35,7 @@ class Choice:
     prompt_ids: tuple[int, ...]
     tool_calls: tuple[dict, ...] = ()
     prompt_logprobs: tuple[TextLogprob, ...] = ()  # its prompt's tokens, when scored (the first's logprob None)
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class Formatter:
         for c in choices:
             if self.chat:
                 message = {"role": "assistant", "content": c.text}
+                if c.reasoning is not None:  # vLLM's name and its older one (SGLang's)
+                    message["reasoning"] = message["reasoning_content"] = c.reasoning or None
                 if c.tool_calls:
                     message["tool_calls"] = list(c.tool_calls)
                 choice = {"index": c.index, "message": message}
@@ -88,11 +92,14 @@ class Formatter:
 
     def chunk(self, index: int, text: str, token_ids: tuple[int, ...], logprobs: tuple[TextLogprob, ...] | None,
               finish_reason: str | None, text_offset: int, include_usage: bool = False,
-              tool_calls: Sequence[dict] = ()) -> dict:
+              tool_calls: Sequence[dict] = (), reasoning: str = "") -> dict:
         """Choice `index`'s next piece; `text_offset`: the choice's token texts so far (completions logprobs);
-        `tool_calls`: chat `delta.tool_calls` entries (server/tools.py `CallDelta.openai`)."""
+        `tool_calls`: chat `delta.tool_calls` entries (server/tools.py `CallDelta.openai`); `reasoning`: chat
+        thinking split off by a reasoning parser (`delta.reasoning` and `delta.reasoning_content`)."""
         if self.chat:
-            delta = {"content": text} if text else {}
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
+            if text:
+                delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = list(tool_calls)
             choice = {"index": index, "delta": delta}

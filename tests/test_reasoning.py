@@ -8,7 +8,8 @@ import random
 import pytest
 
 from deltaflash.server.frontend import Frontend, ModelCard
-from deltaflash.server.protocol import parse_chat
+from deltaflash.server.errors import BadRequest
+from deltaflash.server.protocol import parse_chat, parse_tokenize
 from deltaflash.server.reasoning import ReasoningParser
 from deltaflash.server.relay import collect, stream
 from deltaflash.server.responses import Formatter
@@ -47,7 +48,8 @@ def test_the_parser_splits_text_cut_anywhere_alike(text, open_block, expected):
 def tokenizer(tmp_path_factory):
     tok = load_tokenizer(tiny_pair(tmp_path_factory.mktemp("think"), drafter=False)[0])
     # Qwen3.5's way: the assistant's turn opens a think block, or writes an empty one without thinking
-    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<assistant><think>\n{% if enable_thinking is defined and "
                          "not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}")
     return tok
@@ -65,6 +67,19 @@ def test_the_prompt_decides_where_an_answer_starts(tokenizer):
     assert plain.prepare(parse_chat(body)).reasoning is None
     with pytest.raises(ValueError, match="qwen3"):
         Frontend(card, tokenizer, "deepseek")
+
+
+def test_an_earlier_answers_thinking_goes_back_into_the_template(tokenizer):
+    """An assistant message's `reasoning` (vLLM's name) or `reasoning_content` reaches the template as
+    `reasoning_content`, the name Qwen's templates read; on another role it is a 400."""
+    frontend = Frontend(ModelCard("tiny", 320, 256, 0, 0), tokenizer, "qwen3")
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning": "greet"}]
+    older = [history[0], {"role": "assistant", "content": "hello", "reasoning_content": "greet"}]
+    rendered = [tokenizer.decode(frontend.tokenize(parse_tokenize({"messages": m, "add_generation_prompt": False})))
+                for m in (history, older)]
+    assert rendered == ["<user>hi\n<assistant><think>greet</think>hello\n"] * 2
+    with pytest.raises(BadRequest, match="only allowed on assistant messages"):
+        parse_chat({"messages": [{"role": "user", "content": "hi", "reasoning": "x"}]})
 
 
 def pieces(text: str, size: int = 3) -> list[Output]:

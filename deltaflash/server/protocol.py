@@ -49,7 +49,8 @@ _GUIDED = MappingProxyType({"guided_json": "json", "guided_regex": "regex", "gui
                             "guided_grammar": "grammar"})
 _REGEX_SPECIAL = re.compile(r"[\\.+*?()|\[\]{}^$]")
 _STREAM_OPTIONS = frozenset({"include_usage"})
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning",
+                             "reasoning_content"})
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", *_TEMPLATE_FIELDS})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens", "skip_special_tokens", "spaces_between_special_tokens"})
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -539,7 +540,8 @@ def _chat_options(fields: "_Fields", reader: _Reader) -> ChatOptions:
 
 def _messages(messages, reader: _Reader) -> tuple[dict, ...]:
     """Each message as the chat template gets it: role, content (text), and name, tool_call_id and an
-    assistant's tool_calls when given."""
+    assistant's tool_calls and thinking when given - its `reasoning` (vLLM's name) or `reasoning_content` (the
+    older one), passed on as `reasoning_content`, the name Qwen's templates read."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
@@ -563,6 +565,11 @@ def _messages(messages, reader: _Reader) -> tuple[dict, ...]:
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None:
                 message[key] = reader.text(m[key], f"{where}.{key}")
+        for key in ("reasoning_content", "reasoning"):
+            if m.get(key) is not None and "reasoning_content" not in message:
+                if m["role"] != "assistant":
+                    raise BadRequest(f"{where}.{key} is only allowed on assistant messages", param=f"{where}.{key}")
+                message["reasoning_content"] = reader.text(m[key], f"{where}.{key}")
         out.append(message)
     return tuple(out)
 

@@ -12,6 +12,8 @@ from tests.spec_pairs import DEVICE, engine_for, make_pair, prompts
 from tests.test_pages import all_free, page_bytes
 
 K = 3  # top logprobs asked for
+# on a GPU fla-core's chunked kernels (the engine's prefill and the transformers oracle's) multiply in TF32
+TOL = 1e-4 if DEVICE == "cpu" else 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +37,17 @@ def oracle(pair):
 
 def assert_scored(entries, prompt, reference, k: int) -> None:
     """entries: one per prompt token from the second on - its logprob, its rank and the row's k most likely
-    tokens - as the whole prompt's forward has them."""
+    tokens - as the whole prompt's forward has them (within TOL: tokens closer than that may swap places)."""
     assert [e.token_id for e in entries] == prompt[1:]
     for t, entry in enumerate(entries):
         row = reference[t]
-        assert entry.logprob == pytest.approx(row[prompt[t + 1]].item(), abs=1e-4)
-        assert entry.rank == 1 + int((row > row[prompt[t + 1]] + 1e-4).sum())  # (no near-ties in a random model)
+        chosen = row[prompt[t + 1]].item()
+        assert entry.logprob == pytest.approx(chosen, abs=TOL)
+        surely, maybe = (int((row > chosen + d).sum()) for d in (2 * TOL, -2 * TOL))  # likelier tokens (+ itself)
+        assert 1 + surely <= entry.rank <= maybe
         top = row.topk(k)
-        assert [i for i, _ in entry.top] == top.indices.tolist()
-        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=TOL)
+        assert all(row[i] >= top.values[-1] - 2 * TOL for i, _ in entry.top)  # each among the k likeliest
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["target-only", "spec"])

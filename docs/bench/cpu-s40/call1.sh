@@ -7,7 +7,7 @@
 # (this box: ~0.2 ms) or its CUDA calls?
 MODE=${1:-full}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-CUDA_VISIBLE_DEVICES= timeout 60 python3 bench/host_path.py --requests 200 2>&1 | tail -3 | tee $OUT/host-path.txt
+CUDA_VISIBLE_DEVICES= PYTHONPATH=$PWD timeout 60 python3 bench/host_path.py --requests 200 2>&1 | tail -3 | tee $OUT/host-path.txt
 if [[ $name != *H200* || $MODE != full ]]; then
   exec bash docs/bench/cpu-s38/call1.sh "$MODE"
 fi

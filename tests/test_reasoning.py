@@ -88,11 +88,11 @@ def pieces(text: str, size: int = 3) -> list[Output]:
     return [Output(t, (i,), 5, i + 1, "stop" if i == len(cut) - 1 else None) for i, t in enumerate(cut)]
 
 
-async def relayed(text: str, streaming: bool, tools=None):
+async def relayed(text: str, streaming: bool, tools=None, include_reasoning: bool = True):
     outputs = asyncio.Queue()
     for out in pieces(text):
         outputs.put_nowait((0, out))
-    fmt = Formatter(True, "chatcmpl-1", "tiny", 0, False)
+    fmt = Formatter(True, "chatcmpl-1", "tiny", 0, False, include_reasoning=include_reasoning)
     if streaming:
         events = [e async for e in stream(outputs, fmt, 1, 5, False, lambda: None, tools, reasoning=True)]
         return [json.loads(e[len(b"data: "):]) for e in events[:-1]]
@@ -114,6 +114,14 @@ def test_bodies_and_chunks_carry_reasoning_apart_from_content():
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Step one.\n"
     assert "".join(d.get("content", "") for d in deltas) == "The answer is 4."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # include_reasoning false (vLLM's field): the thinking is dropped, the content is the same
+    message = asyncio.run(relayed(text, streaming=False, include_reasoning=False))["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "The answer is 4."}
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(relayed(text, streaming=True, include_reasoning=False))]
+    assert all("reasoning" not in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "include_reasoning": False}).include_reasoning \
+        is False
 
 
 def test_a_call_inside_the_thinking_ends_it_and_is_a_tool_call():

@@ -169,7 +169,7 @@ def build_app(frontend: Frontend, worker: EngineWorker, metrics: Metrics, settin
         worker.submit(*jobs)
         fmt = Formatter(chat, request_id, card.name, int(time.time()), req.return_token_ids,
                         logprobs=req.sampling.logprobs is not None, top_logprobs=req.sampling.logprobs or 0,
-                        prompt_logprobs=req.prompt_logprobs)
+                        prompt_logprobs=req.prompt_logprobs, include_reasoning=req.include_reasoning)
         cancel = functools.partial(worker.cancel, *(job.request_id for job in jobs))
         if req.stream:
             events = stream(outputs, fmt, len(jobs), sum(map(len, prep.prompts)), req.include_usage, cancel,

@@ -38,7 +38,7 @@ _COMPLETION_NEUTRAL = MappingProxyType({**_COMMON, "echo": None})  # completions
 _COMPLETION_FIELDS = frozenset({*_COMMON, "prompt"})
 _TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 _CHAT_FIELDS = frozenset({*_COMMON, *_TEMPLATE_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools",
-                          "tool_choice", "parallel_tool_calls"})
+                          "tool_choice", "parallel_tool_calls", "include_reasoning"})
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # structured_outputs key -> (how its value is read, the grammar kind)
@@ -96,7 +96,8 @@ class ApiRequest:
     `tools`: a chat request's function tools; None without tools or with tool_choice "none" (then the
     template renders no tools and the answer is all content). `echo` (completions): each choice's text and
     logprobs begin with its prompt's. `prompt_logprobs` (vLLM's field): None, or how many top logprobs each
-    prompt token's entry lists. `chat_options` (chat): how the template renders the messages."""
+    prompt token's entry lists. `chat_options` (chat): how the template renders the messages.
+    `include_reasoning` (vLLM's chat field): False drops the thinking a reasoning parser splits off."""
 
     chat: bool
     model: str | None
@@ -115,6 +116,7 @@ class ApiRequest:
     echo: bool = False
     prompt_logprobs: int | None = None
     chat_options: ChatOptions = ChatOptions()
+    include_reasoning: bool = True
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ def parse_chat(body: dict, strict: bool = False) -> ApiRequest:
     req = _request(fields, reader, chat=True, prompts=None, messages=_messages(body.get("messages"), reader),
                    max_tokens=max_tokens if max_tokens is not None else max_completion,
                    logprobs=top if logprobs else None, tools=tools)
-    req = replace(req, chat_options=chat_options)
+    req = replace(req, chat_options=chat_options, include_reasoning=fields.bool("include_reasoning", True))
     if tools is not None and tools.choice in ("required", "function") and req.sampling.grammar is not None:
         forced = '"required"' if tools.choice == "required" else f"function {tools.function!r}"
         param = req.sampling.grammar_param

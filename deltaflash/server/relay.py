@@ -106,6 +106,7 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
                 break
             offset = progress[index].text_offset
             text, calls, logprobs, thought = progress[index].add(out)
+            thought = thought if fmt.include_reasoning else ""
             if text or calls or out.finish_reason or logprobs or thought or (fmt.return_token_ids and out.token_ids):
                 yield sse(fmt.chunk(index, text, out.token_ids, logprobs, progress[index].finish_reason, offset,
                                     include_usage, [c.openai() for c in calls], thought))

@@ -18,7 +18,9 @@ Decisions:
 
 from __future__ import annotations
 
-OPEN, CLOSE, CALL = "<think>", "</think>", "<tool_call>"
+from deltaflash.server.tools import OPEN as CALL
+
+OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3",)
 
 

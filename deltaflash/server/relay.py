@@ -33,6 +33,7 @@ class _Progress:
     parser: ToolCallParser | None = None
     echo: str | None = None       # the prompt's text, which the first output's text follows (completions' echo)
     thinking: ReasoningParser | None = None
+    shows_reasoning: bool = True  # False (include_reasoning): the thinking is split off and dropped
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     calls: list[CallDelta] = field(default_factory=list)
@@ -55,6 +56,7 @@ class _Progress:
             if out.finish_reason:
                 held = self.thinking.finish()
                 reasoning, text = reasoning + held[0], text + held[1]
+            reasoning = reasoning if self.shows_reasoning else ""
             self.reasoning.append(reasoning)
         if self.parser is not None:
             pieces = self.parser.feed(text) + (self.parser.finish() if out.finish_reason else [])
@@ -73,14 +75,16 @@ class _Progress:
         content = "".join(self.content)
         return Choice(index, None if self.calls and not content else content, tuple(self.token_ids),
                       tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls),
-                      self.prompt_logprobs, "".join(self.reasoning) if self.thinking is not None else None)
+                      self.prompt_logprobs,
+                      "".join(self.reasoning) if self.thinking is not None and self.shows_reasoning else None)
 
 
-def _progress(choices: int, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int,
+def _progress(choices: int, fmt: Formatter, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int,
               reasoning: bool | None = None) -> list[_Progress]:
-    """Choice i continues prompt i // n (echo: those prompts' texts; reasoning: Prepared.reasoning)."""
+    """Choice i continues prompt i // n (echo: those prompts' texts; reasoning: Prepared.reasoning, the thinking
+    kept as fmt.include_reasoning says)."""
     return [_Progress(ToolCallParser(tools) if tools is not None else None, None if echo is None else echo[i // n],
-                      None if reasoning is None else ReasoningParser(reasoning))
+                      None if reasoning is None else ReasoningParser(reasoning), fmt.include_reasoning)
             for i in range(choices)]
 
 
@@ -93,7 +97,7 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
     request's, whose calls stream as `delta.tool_calls`. `echo`: the prompts' texts (choice i continues
     prompt i // n), each choice's first chunk begins with its prompt's (and its logprobs). `reasoning`:
     Prepared.reasoning (the thinking streams as delta.reasoning)."""
-    progress = _progress(choices, tools, echo, n, reasoning)
+    progress = _progress(choices, fmt, tools, echo, n, reasoning)
     finished = 0
     try:
         if fmt.chat:
@@ -106,7 +110,6 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
                 break
             offset = progress[index].text_offset
             text, calls, logprobs, thought = progress[index].add(out)
-            thought = thought if fmt.include_reasoning else ""
             if text or calls or out.finish_reason or logprobs or thought or (fmt.return_token_ids and out.token_ids):
                 yield sse(fmt.chunk(index, text, out.token_ids, logprobs, progress[index].finish_reason, offset,
                                     include_usage, [c.openai() for c in calls], thought))
@@ -127,7 +130,7 @@ async def collect(outputs: asyncio.Queue, fmt: Formatter, prompts: tuple[tuple[i
     gone before the end cancels the jobs. `tools`: a chat request's, whose calls become `tool_calls`.
     `echo`: the prompts' texts, which the choices' texts begin with. `reasoning`: Prepared.reasoning (the
     thinking becomes message.reasoning)."""
-    progress = _progress(len(prompts) * n, tools, echo, n, reasoning)
+    progress = _progress(len(prompts) * n, fmt, tools, echo, n, reasoning)
     finished = 0
     gone = asyncio.ensure_future(_disconnected(receive))
     try:

@@ -53,7 +53,8 @@ class Formatter:
     `prompt_logprobs` - null for the prompt's first token, then per token {token id: {"logprob", "rank",
     "decoded_token"}} for the token and the `prompt_logprobs` most likely ones of its row.
 
-    `include_reasoning` False: the thinking a reasoning parser splits off is dropped (vLLM's field)."""
+    `include_reasoning` False (vLLM's field): the thinking a reasoning parser splits off is dropped (by the
+    relay, which hands on no `reasoning`)."""
 
     chat: bool
     request_id: str
@@ -70,7 +71,7 @@ class Formatter:
         for c in choices:
             if self.chat:
                 message = {"role": "assistant", "content": c.text}
-                if c.reasoning is not None and self.include_reasoning:  # vLLM's name and its older one (SGLang's)
+                if c.reasoning is not None:  # vLLM's name and its older one (SGLang's)
                     message["reasoning"] = message["reasoning_content"] = c.reasoning or None
                 if c.tool_calls:
                     message["tool_calls"] = list(c.tool_calls)
@@ -100,8 +101,7 @@ class Formatter:
         `tool_calls`: chat `delta.tool_calls` entries (server/tools.py `CallDelta.openai`); `reasoning`: chat
         thinking split off by a reasoning parser (`delta.reasoning` and `delta.reasoning_content`)."""
         if self.chat:
-            shown = reasoning if self.include_reasoning else ""
-            delta = {"reasoning": shown, "reasoning_content": shown} if shown else {}
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
             if text:
                 delta["content"] = text
             if tool_calls:

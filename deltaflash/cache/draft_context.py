@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, page_store
+from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, copy_pages, page_store
 
 
 class DraftContextCache:
@@ -44,6 +44,11 @@ class DraftContextCache:
     def reset(self, slot: int) -> None:
         """Admission: nothing to forget (a lane reads context only below its anchor position, and every
         such row is appended for the sequence the slot now holds)."""
+
+    def copy_pages(self, pages: Tensor) -> None:
+        """pages [2, N]: page pages[1, j] becomes a copy of page pages[0, j] (a fork's partial prompt page)."""
+        copy_pages(self.key, pages)
+        copy_pages(self.value, pages)
 
     def _write(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
         """keys / values [N, layers, nk, hd] at storage rows [N]."""

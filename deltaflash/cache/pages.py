@@ -3,7 +3,10 @@
 A page holds `page_size` consecutive positions of one sequence. Page ids index every page store of the
 engine alike (the target's K/V and the drafter's context): one allocator, one block table per slot.
 - `PageAllocator` (host only; the scheduler owns it): which pages are free and which a slot holds, in
-  position order. Pages are taken as a sequence grows and given back when it retires or is preempted.
+  position order. Pages are taken as a sequence grows and given back when it retires or is preempted. A
+  sequence forked from another after their common prompt (engine/shares.py) holds the prompt's whole pages
+  with it, read only - every write lands at or past a sequence's committed length - counted per holder; a
+  shared page is free again when its last holder gives it back.
 - `BlockTables` (device): the slots' tables `[S + 1, max_pages]` int32, read by every forward to find a
   position's storage row; row S serves padding lanes and page `num_pages` is the sink that padding
   writes land in, so every write is unconditional (CUDA-graph friendly).
@@ -38,6 +41,12 @@ def page_store(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def copy_pages(store: torch.Tensor, pages: torch.Tensor) -> None:
+    """Page pages[1, j] of a page store [layers, P + 1, page_size, ...] becomes a copy of page pages[0, j]."""
+    if pages.shape[1] and store.numel():
+        store.index_copy_(1, pages[1], store.index_select(1, pages[0]))
+
+
 class PageAllocator:
     """Page ids 0..num_pages-1 and the pages each slot holds. Never-used pages are handed out in order
     (no list of all ids is built, so a pool of millions of pages starts at once), given-back ones first."""
@@ -47,6 +56,7 @@ class PageAllocator:
         self._fresh = 0                 # pages _fresh.. have never been handed out
         self._returned: list[int] = []  # pages given back, reused first
         self.held: list[list[int]] = [[] for _ in range(num_slots)]
+        self._holders: dict[int, int] = {}  # page -> slots holding it, for pages held by more than one
 
     @property
     def num_free(self) -> int:
@@ -81,11 +91,36 @@ class PageAllocator:
         held.extend(pages)
         return grants
 
+    def share(self, source: int, slot: int, count: int) -> list[tuple[int, int, int]]:
+        """`slot` (holding nothing) holds the first `count` pages of `source` too, read only (a fork after their
+        common prompt); returns the new (slot, table index, page) entries."""
+        if self.held[slot]:
+            raise ValueError(f"slot {slot} already holds pages")
+        pages = self.held[source][:count]
+        if len(pages) < count:
+            raise ValueError(f"slot {source} holds {len(pages)} pages, not {count}")
+        for page in pages:
+            self._holders[page] = self._holders.get(page, 1) + 1
+        self.held[slot] = list(pages)
+        return [(slot, index, page) for index, page in enumerate(pages)]
+
     def release(self, slot: int) -> int:
-        """Give back every page of `slot` (retirement, cancellation, preemption); returns how many."""
+        """Give back every page of `slot` (retirement, cancellation, preemption); returns how many are free
+        again (a page another slot still holds is not)."""
         pages, self.held[slot] = self.held[slot], []
+        if self._holders:
+            pages = [page for page in pages if not self._unshare(page)]
         self._returned.extend(reversed(pages))
         return len(pages)
+
+    def _unshare(self, page: int) -> bool:
+        """One holder of `page` lets it go; whether another still holds it."""
+        holders = self._holders.get(page, 1) - 1
+        if holders > 1:
+            self._holders[page] = holders
+        else:
+            self._holders.pop(page, None)
+        return holders > 0
 
 
 class BlockTables:

@@ -4,14 +4,19 @@ One slot owns one live sequence's fixed-size state: GDN conv history and fp32 re
 GDN layer. Its token-sized state, the attention K/V of every full-attention layer, lives in pages
 (cache/pages.py) that the slot's block table maps. The scheduler hands slots out (`SlotTable`) and pages
 (`PageAllocator`), both host only; the runner resets a slot's device state at admission
-(`SlotPool.reset`) and maps the pages the scheduler granted. No state is ever shared between slots.
+(`SlotPool.reset`) and maps the pages the scheduler granted. A slot forked from another after their common
+prompt (engine/shares.py) starts from a copy of its state (`SlotPool.fork`) and reads the prompt's whole
+pages with it; nothing a slot writes is ever shared.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from torch import Tensor
 
-from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, page_store
+from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, copy_pages, page_store
+from deltaflash.core.batch import to_device
 from deltaflash.config import ModelConfig
 from deltaflash.errors import SlotsExhaustedError
 
@@ -65,6 +70,18 @@ class SlotPool:
         self.conv_history[slot].zero_()
         self.recurrent_state[slot].zero_()
         self.lengths[slot] = 0
+
+    def fork(self, sources: list[int], slots: list[int], pages: Tensor) -> None:
+        """Slot slots[i] starts as a copy of slot sources[i] (its conv history, recurrent state and length);
+        pages [2, N] (device int64): the K/V of page pages[0, j] is copied into page pages[1, j] (the partial
+        last pages of their common prompt)."""
+        index = to_device(np.array([sources, slots], dtype=np.int64), self.conv_history.device)
+        self.conv_history.index_copy_(0, index[1], self.conv_history.index_select(0, index[0]))
+        self.recurrent_state.index_copy_(0, index[1], self.recurrent_state.index_select(0, index[0]))
+        copy_pages(self.key_cache, pages)
+        copy_pages(self.value_cache, pages)
+        for source, slot in zip(sources, slots):
+            self.lengths[slot] = self.lengths[source]
 
 
 class SlotTable:

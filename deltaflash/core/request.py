@@ -254,6 +254,7 @@ class StepReport:
     tree_budget: int = 0  # the round verified trees of this many nodes (0: chains, or no speculation)
     prefill_budget: int = 0  # the most prompt tokens the step could prefill (the scheduler's budget)
     prefill_rows: int = 0  # rows its prefill computed: prompt tokens, or a replayed graph's padded lanes x T
+    shared_prompt_tokens: int = 0  # prompt tokens of the sequences forked this step (not prefilled again)
 
 
 @dataclass(frozen=True)

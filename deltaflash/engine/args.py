@@ -89,6 +89,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-prefill-tokens", type=int, default=2048,
                    help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
                         "chunks, faster time to first token); at least --max-num-batched-tokens")
+    p.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request whose prompt another is prefilling (the n samples of one prompt, the same prompt "
+                        "sent twice) forks from that prefill instead of prefilling the prompt again")
 
 
 def speculation_config(args) -> dict:
@@ -105,7 +108,8 @@ def kernel_config(args) -> dict:
 def scheduler_config(args) -> dict:
     """The EngineConfig fields of `add_scheduler_args`' flags."""
     return {"max_num_batched_tokens": args.max_num_batched_tokens, "scale_prefill_budget": args.scale_prefill_budget,
-            "max_prefill_stall": args.max_prefill_stall, "idle_prefill_tokens": args.idle_prefill_tokens}
+            "max_prefill_stall": args.max_prefill_stall, "idle_prefill_tokens": args.idle_prefill_tokens,
+            "share_prompts": args.share_prompts}
 
 
 def given_flags(args, add: Callable[[argparse.ArgumentParser], None]) -> list[str]:

@@ -62,6 +62,9 @@ class EngineConfig:
         rounds, at any load and on any model, where a fixed token budget stalls low loads most (one round is
         short there). Where a step's fixed prefill cost alone exceeds it, max_num_batched_tokens (fewer,
         larger chunks stall less in all). 0: off.
+    share_prompts: a request whose prompt a sequence is prefilling (the n samples of one prompt; clients sending
+        the same prompt) waits for that prefill and forks from it - the state copied, the prompt's whole pages
+        shared - instead of prefilling the prompt again (engine/shares.py).
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
@@ -120,6 +123,7 @@ class EngineConfig:
     idle_prefill_tokens: int = 2048
     scale_prefill_budget: bool | None = None
     max_prefill_stall: float = 0.0
+    share_prompts: bool = True
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9

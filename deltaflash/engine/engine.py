@@ -29,6 +29,11 @@ from deltaflash.tokenizer import load_tokenizer
 log = logging.getLogger("deltaflash.engine")
 
 
+def empty_stats() -> dict[str, int]:
+    """The engine's counters (Engine.stats) at zero."""
+    return dict.fromkeys(("prefill_tokens", "shared_prompt_tokens", "decode_rounds", "generated_tokens", "preemptions"), 0)
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, drafter=None, config: EngineConfig = EngineConfig(),
                  draft_source=None, progress: bool = False, tensor_parallel=None):
@@ -67,7 +72,7 @@ class Engine:
             for choice in (self.scheduler.policy, self.scheduler.tree_choice, self.scheduler.costs):
                 if choice is not None:  # what the warm requests taught them is not about clients
                     choice.forget()
-        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
+        self.stats = empty_stats()
         self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
 
     @classmethod
@@ -106,10 +111,11 @@ class Engine:
         admission, like any retired slot. With load-adaptive widths they run once at every width in use
         (each width's commit kernels, acceptance and draft context are compiled for their own shapes); a
         tree engine whose rounds may also verify chains runs them once with every round a tree and once
-        with every round a chain. Last, prompts scored for their logprobs (`prompt_logprobs`: an eager forward
-        keeping every row's hidden state, then the scoring), one of a length divisible by 16 and one not.
+        with every round a chain. Then prompts scored for their logprobs (`prompt_logprobs`: an eager forward
+        keeping every row's hidden state, then the scoring), one of a length divisible by 16 and one not. Last,
+        one prompt twice: the second request forks from the first's prefill (engine/shares.py).
         """
-        self.stats = {"prefill_tokens": 0, "decode_rounds": 0, "generated_tokens": 0, "preemptions": 0}
+        self.stats = empty_stats()
         new = min(2 * self.config.block_size + 1, self.config.max_model_len - 2)
         longest = self.config.max_model_len - new - 1
         greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -130,6 +136,7 @@ class Engine:
                     self.generate(prompts, [greedy if k % 2 == 0 else sampled for k in range(len(prompts))])
         self.generate([[k] * max(1, min(n, longest)) for k, n in enumerate((16, 29))],
                       SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1))
+        self.generate([[5] * max(1, min(17, longest))] * 2, [greedy, sampled])  # one forks from the other's prefill
 
     @property
     def pool(self):
@@ -233,11 +240,13 @@ class Engine:
         if on_report is not None:
             speculated = tuple(n + 1 for n, w in zip(result.round.accepted, plan.widths) if w > 1)
             used, total = self.page_usage
-            on_report(StepReport(len(plan.admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
+            admitted = plan.admitted + tuple(f.seq for f in plan.forks)
+            on_report(StepReport(len(admitted), sum(len(c.tokens) for c in plan.prefill), result.prefill_s,
                                  len(plan.decode), result.decode_s, speculated, result.phases, plan.widths,
-                                 len(plan.preempted), used, total, tuple(s.request_id for s in plan.admitted),
+                                 len(plan.preempted), used, total, tuple(s.request_id for s in admitted),
                                  result.prefill_graphed, result.device_idle_s, plan.tree_budget,
-                                 plan.prefill_budget, result.prefill_rows))
+                                 plan.prefill_budget, result.prefill_rows,
+                                 sum(len(f.seq.prompt_ids) for f in plan.forks)))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
@@ -250,15 +259,14 @@ class Engine:
             if chunk.last:
                 seq.status = Status.DECODING
                 if chunk.emits:  # a resumed sequence's pending token was emitted before its preemption
-                    seq.draws += 1
-                    first = next(completed)
-                    if seq.params.max_new_tokens:
-                        self._emit(seq, *first, events)
-                    else:  # the prompt scored alone
-                        self.scheduler.finish(seq, "length")
-                        events.append(StepEvent(seq.request_id, (), "length"))
-                    if seq.params.prompt_logprobs is not None:  # with the first event, once
-                        events[-1] = events[-1]._replace(prompt_logprobs=tuple(seq.prompt_logprobs))
+                    self._first(seq, next(completed), events)
+        for fork in plan.forks:  # (after their leaders: the prompt logprobs are complete)
+            seq = fork.seq
+            seq.status = Status.DECODING
+            self.stats["shared_prompt_tokens"] += len(seq.prompt_ids)
+            if seq.params.prompt_logprobs is not None:
+                seq.prompt_logprobs = list(fork.leader.prompt_logprobs)
+            self._first(seq, next(completed), events)
         if plan.decode:
             self.stats["decode_rounds"] += 1
         out, scheduler = result.round, self.scheduler
@@ -284,6 +292,18 @@ class Engine:
             self._emit(seq, tokens, logprobs, events)
 
     # ---- output and retirement ----------------------------------------------------------
+    def _first(self, seq: Sequence, first: tuple, events: list[StepEvent]) -> None:
+        """A sequence's first token (and its logprobs), sampled from its prompt's last row; the prompt
+        logprobs go with its first event."""
+        seq.draws += 1
+        if seq.params.max_new_tokens:
+            self._emit(seq, *first, events)
+        else:  # the prompt scored alone
+            self.scheduler.finish(seq, "length")
+            events.append(StepEvent(seq.request_id, (), "length"))
+        if seq.params.prompt_logprobs is not None:  # with the first event, once
+            events[-1] = events[-1]._replace(prompt_logprobs=tuple(seq.prompt_logprobs))
+
     def _emit(self, seq: Sequence, tokens: tuple[int, ...], logprobs, events: list[StepEvent]) -> None:
         """Append new tokens (and their logprobs when the request asked), cutting at a stop token or
         max_new_tokens or where the grammar completes (it consumes them). The last kept token becomes `pending` (the next row

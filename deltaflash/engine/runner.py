@@ -32,7 +32,7 @@ from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs,
                                       buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
-from deltaflash.engine.scheduler import PrefillChunk, StepPlan
+from deltaflash.engine.scheduler import Fork, PrefillChunk, StepPlan
 from deltaflash.models.layers import is_routed, route_products
 from deltaflash.ops.attention import dense as dense_attention
 from deltaflash.ops.gdn import fla_launch
@@ -392,7 +392,8 @@ class ModelRunner:
             if self.source is not None:
                 self.source.reset(seq.slot)
         t0 = time.perf_counter()
-        first, graphed, scores = self._prefill(plan.prefill, alone=not plan.decode) if plan.prefill else (None, 0, {})
+        first, graphed, scores = self._prefill(plan.prefill, plan.forks, alone=not plan.decode) if plan.prefill \
+            else (None, 0, {})
         t1 = clock = time.perf_counter()
         round_, marks = None, []
         if plan.decode:
@@ -427,27 +428,41 @@ class ModelRunner:
                           prefill_rows=graphed or sum(len(c.tokens) for c in plan.prefill),
                           prompt_logprobs=prompt_logprobs)
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...], alone: bool = False) -> tuple[Accepted | None, int, dict]:
-        """Run the chunks (`alone`: the step decodes nothing); returns (the first tokens [n, 1] of the
-        chunks that complete their prompt, or None; the rows of the prefill graph that ran them, padding
-        included, or 0 where they ran eagerly; the prompt logprobs of chunks whose request asks for them, by
-        chunk index: `_score_prompt`'s tensors)."""
+    def _prefill(self, chunks: tuple[PrefillChunk, ...], forks: tuple[Fork, ...] = (),
+                 alone: bool = False) -> tuple[Accepted | None, int, dict]:
+        """Run the chunks (`alone`: the step decodes nothing), then fill the `forks`' slots from their leaders';
+        returns (the first tokens [n, 1] of the chunks that complete their prompt and then of the forks, or
+        None; the rows of the prefill graph that ran them, padding included, or 0 where they ran eagerly; the
+        prompt logprobs of chunks whose request asks for them, by chunk index: `_score_prompt`'s tensors)."""
         scored = [i for i, c in enumerate(chunks) if c.seq.params.prompt_logprobs is not None]
         if scored:
             logits, graphed, scores = self._prefill_scored(chunks, scored, alone)
         else:
             (logits, graphed), scores = self._prefill_logits(chunks, alone), {}
+        if forks:
+            self._fork(forks)
         done = [i for i, c in enumerate(chunks) if c.emits]
         if not done:
             return None, graphed, scores
-        seqs = [chunks[i].seq for i in done]
+        seqs = [chunks[i].seq for i in done] + [f.seq for f in forks]
+        done += [f.chunk for f in forks]  # (a fork samples from its leader's last row)
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
-        rows = (logits if len(done) == len(chunks) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
+        rows = (logits if done == list(range(len(chunks))) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         drafts = none[:, None][:, :0]
         return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed, \
             scores
+
+    def _fork(self, forks: tuple[Fork, ...]) -> None:
+        """Each fork's slot becomes a copy of its leader's, whose prefill this step completed: the GDN state and
+        length (SlotPool.fork) and the partial last prompt page, in the target's K/V and the drafter's context
+        (the whole prompt pages are the leader's own, mapped into the fork's table with the plan's pages)."""
+        copied = [f.page for f in forks if f.page is not None]
+        pages = to_device(np.array(copied, dtype=np.int64).reshape(-1, 2).T.copy(), self.device)
+        self.pool.fork([f.leader.slot for f in forks], [f.seq.slot for f in forks], pages)
+        if self.source is not None:
+            self.source.copy_pages(pages)
 
     def _prefill_logits(self, chunks: tuple[PrefillChunk, ...], alone: bool) -> tuple[Tensor, int]:
         """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly)."""

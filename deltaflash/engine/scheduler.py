@@ -10,7 +10,8 @@ from the prompts' share would leave free slots waiting on prefill), scaled by th
 over a plain round's when `scale_prefill_budget` (a costlier round, a proportionate prefill share: see
 EngineConfig), and held to the tokens whose measured cost stays within `max_prefill_stall` rounds when that
 is set; `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
-stream, and larger chunks prefill it faster). A preempted sequence gives back its slot and pages and
+stream, and larger chunks prefill it faster). A request whose prompt another sequence is prefilling waits for
+it and is forked from it in the step that completes the prompt (engine/shares.py). A preempted sequence gives back its slot and pages and
 waits at the head of the queue; when readmitted, its prompt and generated tokens are prefilled again
 (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -30,6 +31,7 @@ from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
                                       prefill_shapes, prefill_tile)
+from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
 
@@ -55,6 +57,19 @@ class PrefillChunk:
     emits: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class Fork:
+    """`seq` forked from `leader` after their common prompt, which the step's prefill chunk `chunk` completes:
+    the runner copies the leader's slot state into seq's slot, and its partial last prompt page into seq's
+    own where the prompt ends inside a page (`page`: (leader's page, seq's page), or None), and samples
+    seq's first token from the chunk's last row (engine/shares.py)."""
+
+    seq: Sequence
+    leader: Sequence
+    chunk: int
+    page: tuple[int, int] | None
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What one step runs.
@@ -65,7 +80,8 @@ class StepPlan:
     released: slots whose pages were given back since the last plan (the runner points their table
         entries at the sink first, so no stale entry can reach a page another sequence now holds).
     pages: (slot, table index, page) entries granted this step (the runner maps them after that).
-    prefill: prompt chunks, in order. decode: the round's lanes; widths[i]: 1 + the drafts lane i may
+    prefill: prompt chunks, in order. forks: sequences given a slot this step as forks of a sequence whose
+        prompt the step's prefill completes (their pages are among `pages`). decode: the round's lanes; widths[i]: 1 + the drafts lane i may
     accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
     the tree's nodes: each has a CUDA graph); tree_budget: the round verifies trees of that many nodes
     (0: chains). prefill_budget: the most prompt tokens the step could prefill (Scheduler.prefill_budget).
@@ -77,6 +93,7 @@ class StepPlan:
     released: tuple[int, ...] = ()
     pages: tuple[tuple[int, int, int], ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
+    forks: tuple[Fork, ...] = ()
     decode: tuple[Sequence, ...] = ()
     widths: tuple[int, ...] = ()
     round_width: int = 1
@@ -109,9 +126,12 @@ class Scheduler:
         self.preemptions = 0
         self._released: list[int] = []  # slots whose pages went back since the last plan
         self._cancels = 0  # abort calls since the last plan (none: no sequence to look for)
+        self.shares = PromptShares()  # who waits to fork from whom (config.share_prompts)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.config.share_prompts:
+            self.shares.add(seq)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it is retired at the next step boundary."""
@@ -131,6 +151,7 @@ class Scheduler:
         seq.finish_reason, seq.status = reason, Status.FINISHED
         self._free(seq)
         self.running.pop(seq.request_id, None)
+        self.shares.forget(seq)
 
     def _free(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -146,6 +167,8 @@ class Scheduler:
         admitted = []
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
             seq = self.waiting[0]
+            if self._follows(seq):
+                break  # it forks when its leader's prompt is done (_forks)
             need = pages_for(seq.prefill_len, self.config.page_size)
             if need > self.pages.num_free - (self.watermark if self.running else 0):
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -159,9 +182,50 @@ class Scheduler:
         fill = bool(decode) and self._scaled(round_width) and bool(self.config.prefill_graphs)
         prefill = tuple(self._prefill_chunks(budget, self.prefill_slack(budget, len(decode), round_width), fill))
         budget = max(budget, sum(len(c.tokens) for c in prefill))  # (the plan's: what the step could take)
+        forks = self._forks(prefill, grants) if not preempted else ()
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
-                        released=released, pages=tuple(grants), prefill=prefill, decode=tuple(decode),
+                        released=released, pages=tuple(grants), prefill=prefill, forks=tuple(forks),
+                        decode=tuple(decode),
                         widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
+
+    def _follows(self, seq: Sequence) -> bool:
+        """Whether `seq` (the head of the queue) waits for its leader, which is prefilling their prompt. A
+        follower whose leader is anywhere else goes on alone (PromptShares keeps leaders ahead of their
+        followers: a leader waiting is ahead in the queue, so this is only a safeguard)."""
+        leader = self.shares.leader(seq)
+        if leader is not None and leader.status is not Status.PREFILLING:
+            self.shares.forget(seq)
+            return False
+        return leader is not None
+
+    def _forks(self, chunks: tuple[PrefillChunk, ...], grants: list[tuple[int, int, int]]) -> list[Fork]:
+        """The step's forks: the sequences at the head of the queue whose leader's prompt one of the `chunks`
+        completes, while slots and pages (within the watermark) are free, in queue order. A fork holds the
+        leader's whole prompt pages with it and takes a page of its own for the rest; its page entries go into
+        `grants`. Then those leaders lead no more: their followers left go on alone (PromptShares.forget)."""
+        ending = {id(c.seq): i for i, c in enumerate(chunks) if c.emits}
+        if not ending:
+            return []
+        forks, size = [], self.config.page_size
+        while self.waiting and self.slots.num_free:
+            seq = self.waiting[0]
+            leader = self.shares.leader(seq)
+            if leader is None or id(leader) not in ending:
+                break
+            n = len(seq.prompt_ids)
+            whole = n // size  # pages the prompt fills: held with the leader; a partial last one is copied
+            if pages_for(n, size) - whole > self.pages.num_free - self.watermark:
+                break
+            self.waiting.popleft()
+            self.shares.forget(seq)
+            seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, n
+            grants += self.pages.share(leader.slot, seq.slot, whole) + self.pages.grow(seq.slot, n)
+            page = (self.pages.held[leader.slot][whole], self.pages.held[seq.slot][whole]) if n % size else None
+            self.running[seq.request_id] = seq
+            forks.append(Fork(seq, leader, ending[id(leader)], page))
+        for i in ending.values():
+            self.shares.forget(chunks[i].seq)
+        return forks
 
     def prefill_budget(self, lanes: int, round_width: int) -> int:
         """Prompt tokens a step may prefill beside a round of `lanes` lanes x `round_width` rows: the idle
@@ -364,6 +428,7 @@ class Scheduler:
         for seq in gone:
             self.waiting.remove(seq)
             seq.finish_reason, seq.status = "cancelled", Status.FINISHED
+            self.shares.forget(seq)
         for seq in [s for s in self.running.values() if s.cancel_requested]:
             self.finish(seq, "cancelled")
             gone.append(seq)

@@ -42,6 +42,10 @@ class Metrics:
                                     "while serving (after start-up: each made a request wait; 0 expected)",
                                     ["source"], registry=r)
         self.prompt_tokens = Counter("deltaflash_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.shared_prompt_tokens = Counter("deltaflash_shared_prompt_tokens",
+                                            "Prompt tokens not prefilled: requests forked from another's prefill of "
+                                            "the same prompt (the n samples of one prompt; --share-prompts)",
+                                            registry=r)
         self.generated_tokens = Counter("deltaflash_generated_tokens", "Tokens generated", registry=r)
         buckets = tuple(range(1, max(block_size, 1) + 1))
         self.accepted_length = Histogram("deltaflash_accepted_length",
@@ -110,6 +114,8 @@ class Metrics:
             self.device_idle.observe(report.device_idle_s)
         if report.preempted:
             self.preemptions.inc(report.preempted)
+        if report.shared_prompt_tokens:
+            self.shared_prompt_tokens.inc(report.shared_prompt_tokens)
         if report.pages_total:
             self.kv_usage.set(report.pages_used / report.pages_total)
 

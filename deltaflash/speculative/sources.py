@@ -45,6 +45,10 @@ class DraftSource(Protocol):
     def reset(self, slot: int) -> None:
         """Forget the slot's context (admission of a new sequence)."""
 
+    def copy_pages(self, pages: Tensor) -> None:
+        """pages [2, N] (device int64): the context in page pages[0, j] is copied into page pages[1, j] (a
+        fork's partial prompt page: engine/shares.py; the whole pages it reads with its leader)."""
+
     def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None, graphs: bool = True) -> None:
         """Committed rows become context: slot_ids [L, T] (-1: a row that was not committed, or a
         padding lane), positions [L, T], taps [L, T, n_taps*H]. graphs=False: run eagerly (the call is
@@ -104,6 +108,9 @@ class DFlashSource:
 
     def reset(self, slot: int) -> None:
         self.context.reset(slot)
+
+    def copy_pages(self, pages: Tensor) -> None:
+        self.context.copy_pages(pages)
 
     def append(self, slot_ids: Tensor, positions: Tensor, taps: Tensor | None, graphs: bool = True) -> None:
         if taps is None:
@@ -212,6 +219,9 @@ class ScriptedSource:
         self.build_ranked = kernels.build_ranked_tree
 
     def reset(self, slot: int) -> None:
+        pass
+
+    def copy_pages(self, pages: Tensor) -> None:
         pass
 
     def append(self, slot_ids, positions, taps, graphs: bool = True) -> None:

@@ -356,6 +356,21 @@ def test_metrics_report_rounds_and_tokens(server):
     assert server.metric("deltaflash_slot_usage_ratio") == 0
 
 
+def test_the_samples_of_one_prompt_share_its_prefill(server):
+    """n = 3: the prompt is prefilled once, in one step, and the two other choices fork from it."""
+    server.wait_idle()
+    names = ["deltaflash_shared_prompt_tokens_total", "deltaflash_prompt_tokens_total", "deltaflash_queue_time_seconds_count"]
+    before = [server.metric(name) for name in names] + [server.metric("deltaflash_round_phase_seconds_count",
+                                                                      phase="prefill")]
+    r = client(server).completions.create(model="tiny", prompt=[1, 2, 3, 4, 5], max_tokens=6, n=3, temperature=1.0,
+                                          seed=4, extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = [server.metric(name) for name in names] + [server.metric("deltaflash_round_phase_seconds_count",
+                                                                     phase="prefill")]
+    assert [a - b for a, b in zip(after, before)] == [10, 15, 3, 1]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 18 and len({c.text for c in r.choices}) > 1
+
+
 def test_unknown_fields_are_ignored_and_logged_once(server):
     """Fields deltaflash does not know (OpenAI's newer ones, other servers' extensions) change nothing
     and are logged once per name; --strict-fields makes them a 400 (test_strict_fields_...)."""

@@ -231,14 +231,16 @@ def test_failing_engine_fails_requests_and_refuses_new_ones(folder):
 
 
 def test_jobs_of_one_request_are_admitted_all_or_none(folder):
-    """n choices are n jobs: a request whose jobs do not all fit is refused whole (429), taking no room."""
+    """n choices are n jobs: a request whose jobs do not all fit is refused whole (429), taking no room; the
+    jobs of one request reach the engine together (its choices fork from one prefill)."""
     engine = Engine.from_pretrained(folder, device="cpu", progress=False, max_slots=1, max_model_len=64)
     worker, log = EngineWorker(engine, WorkerConfig(max_queue=2), Metrics()), Log()  # holds 3; not started
     worker.submit(job("a0", [1], log, 4), job("a1", [1], log, 4))
     with pytest.raises(QueueFull):
         worker.submit(job("b0", [2], log, 4), job("b1", [2], log, 4))
     worker.submit(job("c0", [3], log, 4))
-    assert worker.capacity == 3 and [j.request_id for j in worker._inbox_items()] == ["a0", "a1", "c0"]
+    assert worker.capacity == 3 and [[j.request_id for j in jobs] for jobs in worker._inbox_items()] == \
+        [["a0", "a1"], ["c0"]]
 
 
 class PieceTokenizer:

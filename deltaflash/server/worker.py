@@ -103,7 +103,9 @@ class EngineWorker:
     def __init__(self, engine, config: WorkerConfig, metrics: Metrics):
         self._engine, self.config, self._metrics = engine, config, metrics
         self.max_slots = engine.config.max_slots
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # Job to admit, or request id (str) to cancel
+        # the jobs of one API request (a tuple: admitted in one go, so its choices fork from one prefill of their
+        # prompt: engine/shares.py), or a request id (str) to cancel
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()   # guards _outstanding, _draining, _drain_deadline, _closing
         self._outstanding = 0           # submitted and not yet retired by the engine
@@ -136,8 +138,7 @@ class EngineWorker:
                 raise QueueFull(f"{len(jobs)} choices need {len(jobs)} places; {free} of the {self.capacity} "
                                 "(slots + --max-queue) are free; retry later")
             self._outstanding += len(jobs)
-            for job in jobs:
-                self._inbox.put(job)  # under the lock: a failing worker answers every job it let in
+            self._inbox.put(jobs)  # under the lock: a failing worker answers every job it let in
         self._wake.set()
 
     def cancel(self, *request_ids: str) -> None:
@@ -216,10 +217,11 @@ class EngineWorker:
 
     def _take_inbox(self) -> None:
         for item in self._inbox_items():
-            if isinstance(item, Job):
-                self._admit(item)
-            else:
+            if isinstance(item, str):
                 self._abort(item, "cancelled")
+            else:
+                for job in item:
+                    self._admit(job)
 
     def _kernel_loaded(self, name: str, from_disk: bool) -> None:
         """A Triton kernel met for the first time while serving: some request waited for it."""
@@ -348,6 +350,6 @@ class EngineWorker:
                                            error=ServerFailure(message)))
             self._retire(live, "error")
         for item in self._inbox_items():
-            if isinstance(item, Job):
-                self._deliver(item, Output("", (), len(item.prompt_ids), 0, error=ServerFailure(message)))
+            for job in item if not isinstance(item, str) else ():
+                self._deliver(job, Output("", (), len(job.prompt_ids), 0, error=ServerFailure(message)))
                 self._release("error")

@@ -1,7 +1,11 @@
 # s41's device calls: bash docs/bench/cpu-s41/call.sh PART. On an H200: bench/h200_owed.sh PART (issues 15/16's owed
-# figures). On an H100: the fortieth session's second call (host path on the VM's CPU, prompt-logprob tests on CUDA).
+# figures). On an H100: the host path on the VM's CPU, then the prompt-logprob tests under their CUDA tolerance and
+# the prompt-sharing forks' tests on CUDA.
 PART=${1:-1}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $name; $(date -u)"
 if [[ $name == *H200* ]]; then exec bash bench/h200_owed.sh "$OUT" "$PART"; fi
-exec bash docs/bench/cpu-s40/call2.sh
+CUDA_VISIBLE_DEVICES= PYTHONPATH=$PWD timeout 60 python3 bench/host_path.py --requests 200 2>&1 | tail -3 | tee $OUT/host-path.txt
+DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=240 TESTS="tests/test_prompt_logprobs.py tests/test_shares.py" \
+  bash bench/gpu_checks.sh $OUT tests
+grep -E "passed|failed|=== " $OUT/log.txt | tail -3

@@ -177,7 +177,8 @@ def test_bench_serve_passes_every_engine_and_scheduler_flag_to_its_server(folder
              "--tree-top-k", "2", "--tree-max-lanes", "0", "--batch-invariant", "--skinny-gemm", "off",
              "--max-model-len", "256", "--page-size", "32", "--kv-cache-memory", "64MiB",
              "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "96", "--no-scale-prefill-budget",
-             "--max-prefill-stall", "1.5", "--idle-prefill-tokens", "160", "--max-concurrency", "3", "--clients", "5",
+             "--max-prefill-stall", "1.5", "--idle-prefill-tokens", "160", "--no-share-prompts", "--max-concurrency", "3",
+             "--clients", "5",
              "--api-key", "k", "--no-host-overlap"]
     bench = parser.parse_args(["bench", "serve", *given])
     command = server_command(bench)
@@ -207,6 +208,8 @@ def test_bench_e2e_takes_the_engine_flags_of_serve():
     assert (config.max_slots, config.max_prefill_stall, config.idle_prefill_tokens, config.skinny_gemm) == \
         (4, 2.0, 100, "off")
     assert speculation_config(args)["round_graphs"] is False and speculation_config(args)["tree_max_lanes"] == 3
+    # its points reuse prompts, which would fork from each other's prefill: off unless asked for
+    assert not config.share_prompts and _engine_config(parser.parse_args(["bench", "e2e", "--share-prompts"]), 4).share_prompts
     bad = parser.parse_args(["bench", "e2e", "--max-prefill-stall", "-1"])
     with pytest.raises(DeltaflashError, match="--max-prefill-stall must be >= 0"):
         bad.func(bad)

@@ -1,0 +1,84 @@
+"""n samples of one prompt with prompt sharing (forks from one prefill) against without, alternated in one run.
+
+    python3 bench/prompt_forks.py [--shape 9b|27b|toy] [--prompt-len 2048] [--n 8] [--new 64] [--repeats 2]
+
+The 9B shape's target (random bf16 weights; CUDA) or the toy shape's (any device), target-only, the serve
+defaults but for max_model_len and a 4 GiB page pool (two engines share the device): `n` greedy requests of one prompt added at once, to completion. Prints per
+mode the time to the first token of the first and of the last request, the wall time, and the prefill
+tokens the engine computed; then the ratios (without / with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from deltaflash.core.request import SamplingParams
+from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
+from deltaflash.models.random_init import SHAPES, random_model
+
+
+def one_run(engine: Engine, prompt: list[int], n: int, new: int) -> dict:
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    for key in engine.stats:
+        engine.stats[key] = 0
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    ids = [engine.add_request(prompt, params) for _ in range(n)]
+    first: dict[str, float] = {}
+    while engine.has_work():
+        events = engine.step()
+        now = time.perf_counter() - t0
+        for ev in events:
+            if ev.token_ids and ev.request_id not in first:
+                first[ev.request_id] = now
+    sync()
+    wall = time.perf_counter() - t0
+    ttft = sorted(first[i] for i in ids)
+    return {"ttft_first_ms": 1e3 * ttft[0], "ttft_last_ms": 1e3 * ttft[-1], "wall_ms": 1e3 * wall,
+            "prefill_tokens": engine.stats["prefill_tokens"], "shared_tokens": engine.stats["shared_prompt_tokens"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="9b")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    cfg = SHAPES[args.shape]()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(cfg, dtype, device, copying=True)
+    max_len = args.prompt_len + args.new + 64
+    engines = {share: Engine(model, None, None, EngineConfig(max_slots=max(8, args.n), max_model_len=max_len,
+                                                             kv_cache_memory=4 << 30, share_prompts=share)) for share in (False, True)}
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for share in (False, True):
+            runs[share].append(one_run(engines[share], prompt, args.n, args.new))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}: {args.shape} shape, target-only, {args.n} greedy requests of one {args.prompt_len}-token prompt, "
+          f"{args.new} new tokens each, {args.repeats} alternated runs (medians)")
+    med = {share: {k: statistics.median(r[k] for r in runs[share]) for k in runs[share][0]} for share in runs}
+    for share in (False, True):
+        m = med[share]
+        print(f"  share_prompts={share!s:5}: TTFT first {m['ttft_first_ms']:8.1f} ms, last {m['ttft_last_ms']:8.1f} ms, "
+              f"wall {m['wall_ms']:8.1f} ms, prefilled {m['prefill_tokens']:6.0f} tokens, forked {m['shared_tokens']:6.0f}")
+    off, on = med[False], med[True]
+    print(f"  without / with: TTFT of the last {off['ttft_last_ms'] / on['ttft_last_ms']:.2f}x, "
+          f"wall {off['wall_ms'] / on['wall_ms']:.2f}x")
+    for share in (False, True):
+        print(f"  runs share_prompts={share}: " + ", ".join(f"{r['ttft_last_ms']:.1f}/{r['wall_ms']:.1f}" for r in runs[share]))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,12 +11,10 @@ pages with it; nothing a slot writes is ever shared.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from deltaflash.cache.pages import DEFAULT_PAGE_SIZE, BlockTables, copy_pages, page_store
-from deltaflash.core.batch import to_device
 from deltaflash.config import ModelConfig
 from deltaflash.errors import SlotsExhaustedError
 
@@ -74,14 +72,14 @@ class SlotPool:
     def fork(self, sources: list[int], slots: list[int], pages: Tensor) -> None:
         """Slot slots[i] starts as a copy of slot sources[i] (its conv history, recurrent state and length);
         pages [2, N] (device int64): the K/V of page pages[0, j] is copied into page pages[1, j] (the partial
-        last pages of their common prompt)."""
-        index = to_device(np.array([sources, slots], dtype=np.int64), self.conv_history.device)
-        self.conv_history.index_copy_(0, index[1], self.conv_history.index_select(0, index[0]))
-        self.recurrent_state.index_copy_(0, index[1], self.recurrent_state.index_select(0, index[0]))
+        last pages of their common prompt). A copy per slot and state tensor, from the source's own rows (no
+        gathered temporary: 48 MiB of recurrent state a slot at the 9B shape)."""
+        for source, slot in zip(sources, slots):
+            self.conv_history[slot].copy_(self.conv_history[source])
+            self.recurrent_state[slot].copy_(self.recurrent_state[source])
+            self.lengths[slot] = self.lengths[source]
         copy_pages(self.key_cache, pages)
         copy_pages(self.value_cache, pages)
-        for source, slot in zip(sources, slots):
-            self.lengths[slot] = self.lengths[source]
 
 
 class SlotTable:

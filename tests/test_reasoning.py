@@ -2,6 +2,7 @@
 the prompt deciding where an answer starts, and the bodies and SSE chunks clients read."""
 
 import asyncio
+import copy
 import json
 import random
 
@@ -45,6 +46,15 @@ def test_the_parser_splits_text_cut_anywhere_alike(text, open_block, expected):
 
 
 @pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """The tiny pair's engine (a DFlash drafter: speculative rounds), with its tokenizer."""
+    from deltaflash.engine.engine import Engine
+
+    target, draft = tiny_pair(tmp_path_factory.mktemp("think-engine"))
+    return Engine.from_pretrained(target, draft, device="cpu", progress=False, max_slots=2, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     tok = load_tokenizer(tiny_pair(tmp_path_factory.mktemp("think"), drafter=False)[0])
     # Qwen3.5's way: the assistant's turn opens a think block, or writes an empty one without thinking
@@ -63,10 +73,62 @@ def test_the_prompt_decides_where_an_answer_starts(tokenizer):
     parsing, plain = Frontend(card, tokenizer, "qwen3"), Frontend(card, tokenizer)
     assert parsing.prepare(parse_chat(body)).reasoning is True
     assert parsing.prepare(parse_chat(quiet)).reasoning is False
-    assert parsing.prepare(parse_chat(structured)).reasoning is None  # a grammar holds from the first token
+    # a grammar: this tokenizer has no `</think>` token to start it after, so it holds from the first token
+    unparsed = parsing.prepare(parse_chat(structured))
+    assert unparsed.reasoning is None and unparsed.params[0].grammar.after is None
     assert plain.prepare(parse_chat(body)).reasoning is None
     with pytest.raises(ValueError, match="qwen3"):
         Frontend(card, tokenizer, "deepseek")
+
+
+def test_a_grammar_holds_for_the_answer_after_the_thinking(tokenizer):
+    """With a `</think>` token, a grammar starts after it where the prompt leaves a block open (vLLM's rule:
+    the answer is structured, the thinking free), and from the first token where the prompt closed it."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    end = tok.convert_tokens_to_ids("</think>")
+    frontend = Frontend(ModelCard("tiny", 320, 256, 0, 0), tok, "qwen3")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": {"type": "json_object"}}
+    thinking = frontend.prepare(parse_chat(body))
+    assert thinking.reasoning is True and thinking.params[0].grammar.after == end
+    assert thinking.params[0].grammar.kind == "json_object"
+    quiet = frontend.prepare(parse_chat(body | {"chat_template_kwargs": {"enable_thinking": False}}))
+    assert quiet.reasoning is False and quiet.params[0].grammar.after is None
+
+
+def test_a_grammar_after_a_token_allows_everything_up_to_it(engine):
+    """GrammarAfter's masks: every token up to and including the first `after` token, the grammar's after it
+    (in a chain of drafts too); then an engine whose first token is pushed to `after` (logit bias) answers
+    after it in the grammar, speculative and target-only rounds alike, greedy and sampled."""
+    import torch
+
+    from deltaflash.core.request import GrammarSpec, SamplingParams
+    from deltaflash.speculative.grammar import GrammarCompiler
+
+    tok = engine.tokenizer
+    end, digit, letter = (tok.encode(t, add_special_tokens=False)[0] for t in ("(", "1", "d"))
+    compiler = GrammarCompiler(tok, 320)
+    gate = compiler.matcher(GrammarSpec("regex", "[0-9]+", after=end))
+    free = torch.full((compiler.words,), -1, dtype=torch.int32)
+
+    def allows(mask, token):
+        return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+    masks = gate.row_masks([letter, end, digit])  # rows: before d, before (, after (, after ( 1
+    assert torch.equal(masks[0], free) and torch.equal(masks[1], free)
+    assert allows(masks[2], digit) and not allows(masks[2], letter) and not allows(masks[2], end)
+    assert not gate.advance(letter) and not gate.advance(end)
+    assert not allows(gate.row_masks([])[0], letter) and allows(gate.row_masks([])[0], digit)
+
+    prompt = tok.encode("def hello", add_special_tokens=False)
+    params = [SamplingParams(max_new_tokens=12, grammar=GrammarSpec("regex", "[0-9]{3}", after=end),
+                             logit_bias=((end, 100.0),), temperature=t, seed=1) for t in (0.0, 1.0)]
+    for done in engine.generate([prompt] * 2, params)[0]:
+        text = tok.decode(done.token_ids)
+        assert done.token_ids[0] == end and done.finish_reason == "stop" and text[1:].isdigit() and \
+            len(text) == 4, text
+    plain = SamplingParams(max_new_tokens=12, grammar=GrammarSpec("regex", "[0-9]{3}"), logit_bias=((end, 100.0),))
+    assert tok.decode(engine.generate([prompt], plain)[0][0].token_ids).isdigit()  # without `after`: from the first
 
 
 def test_an_earlier_answers_thinking_goes_back_into_the_template(tokenizer):

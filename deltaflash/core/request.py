@@ -20,10 +20,13 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True)
 class GrammarSpec:
     """Structured output: `kind` one of GRAMMAR_KINDS; `source` the JSON schema (json_schema), the
-    regular expression (regex) or the Lark grammar (lark) as text; empty for json_object."""
+    regular expression (regex) or the Lark grammar (lark) as text; empty for json_object. `after`: a token
+    id - the grammar holds from the token after the first `after` generated (a thinking model's end of
+    thinking: the answer is structured, the thinking is free); None: from the first token."""
 
     kind: str
     source: str = ""
+    after: int | None = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.errors import RequestError
 from deltaflash.server.errors import BadRequest, ModelNotFound
 from deltaflash.server.protocol import ApiRequest, DetokenizeRequest, Sampling, TokenizeRequest
-from deltaflash.server.reasoning import REASONING_PARSERS, opens_reasoning
+from deltaflash.server.reasoning import REASONING_PARSERS, end_token, opens_reasoning
 from deltaflash.server.tools import ToolRequest, detect_style, template_messages, tool_grammar
 from deltaflash.speculative.grammar import grammar_text
 from deltaflash.tokenizer import ChatOptions, DecodeOptions, decode, encode_chat, encode_prompt
@@ -81,6 +81,7 @@ class Frontend:
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}")
         self.card, self.tokenizer, self.reasoning_parser = card, tokenizer, reasoning_parser
+        self.reasoning_end = end_token(tokenizer) if reasoning_parser is not None else None  # `</think>`'s id
         self.tool_style = detect_style(getattr(tokenizer, "chat_template", None))  # how the model writes calls
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="deltaflash-frontend")
 
@@ -109,6 +110,9 @@ class Frontend:
             fields = ["prompt"] if len(req.prompts) == 1 else [f"prompt[{i}]" for i in range(len(req.prompts))]
             prompts = {field: self._prompt_ids(prompt, None, field, n_bytes)
                        for field, prompt, n_bytes in zip(fields, req.prompts, req.prompt_bytes)}
+        reasoning = None
+        if req.chat and self.reasoning_parser is not None:
+            reasoning, s = self._reasoning(prompts["messages"], s)
         params = []
         for field, ids in prompts.items():
             base = self._params(s, field, len(ids), req.chat)
@@ -116,12 +120,20 @@ class Frontend:
         echo = None
         if req.echo:  # the prompt as given; token ids as text
             echo = tuple(p if isinstance(p, str) else decode(self.tokenizer, p, req.decode) for p in req.prompts)
-        reasoning = None
-        if req.chat and self.reasoning_parser is not None and s.grammar is None:  # (a grammar holds from token 1)
-            tail = decode(self.tokenizer, prompts["messages"][-REASONING_TAIL:], DecodeOptions(False, False))
-            reasoning = opens_reasoning(tail)
         return Prepared(tuple(tuple(ids) for ids in prompts.values()), tuple(params), s.stop_strings, req.decode, echo,
                         reasoning)
+
+    def _reasoning(self, prompt_ids: list[int], s: Sampling) -> tuple[bool | None, Sampling]:
+        """(Prepared.reasoning: whether a chat answer to this prompt starts inside a think block; the sampling
+        fields, a grammar in them moved past the thinking where it does: server/reasoning.py)."""
+        tail = decode(self.tokenizer, prompt_ids[-REASONING_TAIL:], DecodeOptions(False, False))
+        if not opens_reasoning(tail):
+            return False, s
+        if s.grammar is None:
+            return True, s
+        if self.reasoning_end is None:  # no `</think>` token to start it at: it holds from the first token
+            return None, s
+        return True, replace(s, grammar=replace(s.grammar, after=self.reasoning_end))
 
     def _check_sampling(self, s: Sampling, echo: bool = False) -> None:
         """The request's sampling fields against the model: token ids in the vocabulary, a tokenizer for

@@ -12,8 +12,10 @@ Decisions:
   and what follows are content, where the tool-call parser finds them.
 - The whitespace between `</think>` and the answer is neither (the template's separator).
 - An output cut short inside the block is all reasoning.
-- A request whose answer a grammar constrains (response_format, guided_*, a forced tool_choice) is not
-  parsed: the grammar holds from the first token, so there is no thinking to split off.
+- A grammar (response_format, guided_*, a forced tool_choice) constrains the answer, not the thinking (vLLM's
+  rule): where the prompt leaves a block open, it holds from the token after `</think>`
+  (GrammarSpec.after), else from the first token. A tokenizer without a `</think>` token of its own
+  leaves such requests unparsed, the grammar holding from the first token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from deltaflash.server.tools import OPEN as CALL
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3",)
+
+
+def end_token(tokenizer) -> int | None:
+    """The id of the tokenizer's `</think>` token, or None when it has none of its own."""
+    return tokenizer.get_vocab().get(CLOSE) if tokenizer is not None else None
 
 
 def opens_reasoning(prompt_tail: str) -> bool:

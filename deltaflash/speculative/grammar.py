@@ -57,8 +57,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.words = (self.tokenizer.vocab_size + 31) // 32
 
-    def matcher(self, spec: GrammarSpec) -> "GrammarMatcher":
-        return GrammarMatcher(self, grammar_text(spec))
+    def matcher(self, spec: GrammarSpec) -> "GrammarMatcher | GrammarAfter":
+        matcher = GrammarMatcher(self, grammar_text(spec))
+        return matcher if spec.after is None else GrammarAfter(matcher, spec.after)
 
 
 class GrammarMatcher:
@@ -99,6 +100,34 @@ class GrammarMatcher:
             if not self.matcher.is_stopped():
                 raise RuntimeError(f"grammar refused emitted token {token} (a mask was not applied)")
         return self.matcher.is_stopped()
+
+
+class GrammarAfter:
+    """A grammar that holds from the token after the first `end` (GrammarSpec.after: a thinking model's
+    `</think>`): every token is allowed up to and including that one, the grammar's masks after it. The same
+    surface as GrammarMatcher."""
+
+    def __init__(self, matcher: GrammarMatcher, end: int):
+        self.matcher, self.end, self.before = matcher, end, True  # before: `end` not emitted yet
+
+    @property
+    def words(self) -> int:
+        return self.matcher.words
+
+    def row_masks(self, drafts: list[int]) -> torch.Tensor:
+        if not self.before:
+            return self.matcher.row_masks(drafts)
+        masks = torch.full((len(drafts) + 1, self.words), -1, dtype=torch.int32)  # every token, up to `end`
+        if self.end in drafts:
+            k = drafts.index(self.end)  # rows past drafts[k]: the grammar's, from its start
+            masks[k + 1:] = self.matcher.row_masks(drafts[k + 1:])
+        return masks
+
+    def advance(self, token: int) -> bool:
+        if self.before:
+            self.before = token != self.end
+            return False
+        return self.matcher.advance(token)
 
 
 def lane_masks(seqs, drafts: list[list[int]] | None, width: int, words: int) -> torch.Tensor:

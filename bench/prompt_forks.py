@@ -3,8 +3,8 @@
     python3 bench/prompt_forks.py [--shape 9b|27b|toy] [--prompt-len 2048] [--n 8] [--new 64] [--repeats 2]
 
 The 9B shape's target (random bf16 weights; CUDA) or the toy shape's (any device), target-only, the serve
-defaults but for max_model_len and a 4 GiB page pool (two engines share the device): `n` greedy requests of one prompt added at once, to completion. Prints per
-mode the time to the first token of the first and of the last request, the wall time, and the prefill
+defaults but for max_model_len and a 4 GiB page pool (two engines share the device): `n` greedy requests of
+one prompt added at once, to completion. Prints per mode the time to the first token of the first and of the last request, the wall time, and the prefill
 tokens the engine computed; then the ratios (without / with).
 """
 
@@ -59,7 +59,8 @@ def main() -> None:
     model = random_model(cfg, dtype, device, copying=True)
     max_len = args.prompt_len + args.new + 64
     engines = {share: Engine(model, None, None, EngineConfig(max_slots=max(8, args.n), max_model_len=max_len,
-                                                             kv_cache_memory=4 << 30, share_prompts=share)) for share in (False, True)}
+                                                             kv_cache_memory=4 << 30, share_prompts=share))
+               for share in (False, True)}
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.repeats):
@@ -71,13 +72,15 @@ def main() -> None:
     med = {share: {k: statistics.median(r[k] for r in runs[share]) for k in runs[share][0]} for share in runs}
     for share in (False, True):
         m = med[share]
-        print(f"  share_prompts={share!s:5}: TTFT first {m['ttft_first_ms']:8.1f} ms, last {m['ttft_last_ms']:8.1f} ms, "
-              f"wall {m['wall_ms']:8.1f} ms, prefilled {m['prefill_tokens']:6.0f} tokens, forked {m['shared_tokens']:6.0f}")
+        print(f"  share_prompts={share!s:5}: TTFT first {m['ttft_first_ms']:8.1f} ms, last {m['ttft_last_ms']:8.1f} "
+              f"ms, wall {m['wall_ms']:8.1f} ms, prefilled {m['prefill_tokens']:6.0f} tokens, forked "
+              f"{m['shared_tokens']:6.0f}")
     off, on = med[False], med[True]
     print(f"  without / with: TTFT of the last {off['ttft_last_ms'] / on['ttft_last_ms']:.2f}x, "
           f"wall {off['wall_ms'] / on['wall_ms']:.2f}x")
     for share in (False, True):
-        print(f"  runs share_prompts={share}: " + ", ".join(f"{r['ttft_last_ms']:.1f}/{r['wall_ms']:.1f}" for r in runs[share]))
+        each = ", ".join(f"{r['ttft_last_ms']:.1f}/{r['wall_ms']:.1f}" for r in runs[share])
+        print(f"  runs share_prompts={share}: {each}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ log = logging.getLogger("deltaflash.engine")
 
 def empty_stats() -> dict[str, int]:
     """The engine's counters (Engine.stats) at zero."""
-    return dict.fromkeys(("prefill_tokens", "shared_prompt_tokens", "decode_rounds", "generated_tokens", "preemptions"), 0)
+    names = ("prefill_tokens", "shared_prompt_tokens", "decode_rounds", "generated_tokens", "preemptions")
+    return dict.fromkeys(names, 0)
 
 
 class Engine:

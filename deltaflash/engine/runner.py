@@ -448,7 +448,8 @@ class ModelRunner:
         done += [f.chunk for f in forks]  # (a fork samples from its leader's last row)
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
-        rows = (logits if done == list(range(len(chunks))) else logits[to_device(done, self.device)])[:, None]  # [n, 1, V]
+        rows = logits if done == list(range(len(chunks))) else logits[to_device(done, self.device)]
+        rows = rows[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         drafts = none[:, None][:, :0]
         return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed, \

@@ -10,10 +10,10 @@ from the prompts' share would leave free slots waiting on prefill), scaled by th
 over a plain round's when `scale_prefill_budget` (a costlier round, a proportionate prefill share: see
 EngineConfig), and held to the tokens whose measured cost stays within `max_prefill_stall` rounds when that
 is set; `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
-stream, and larger chunks prefill it faster). A request whose prompt another sequence is prefilling waits for
-it and is forked from it in the step that completes the prompt (engine/shares.py). A preempted sequence gives back its slot and pages and
-waits at the head of the queue; when readmitted, its prompt and generated tokens are prefilled again
-(nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
+stream, and larger chunks prefill it faster). A request whose prompt another sequence is prefilling waits
+for it and is forked from it in the step that completes the prompt (engine/shares.py). A preempted sequence
+gives back its slot and pages and waits at the head of the queue; when readmitted, its prompt and generated
+tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class StepPlan:
         entries at the sink first, so no stale entry can reach a page another sequence now holds).
     pages: (slot, table index, page) entries granted this step (the runner maps them after that).
     prefill: prompt chunks, in order. forks: sequences given a slot this step as forks of a sequence whose
-        prompt the step's prefill completes (their pages are among `pages`). decode: the round's lanes; widths[i]: 1 + the drafts lane i may
-    accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
+        prompt the step's prefill completes (their pages are among `pages`).
+    decode: the round's lanes; widths[i]: 1 + the drafts lane i may accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
     the tree's nodes: each has a CUDA graph); tree_budget: the round verifies trees of that many nodes
     (0: chains). prefill_budget: the most prompt tokens the step could prefill (Scheduler.prefill_budget).
     """
@@ -185,8 +185,7 @@ class Scheduler:
         forks = self._forks(prefill, grants) if not preempted else ()
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill, forks=tuple(forks),
-                        decode=tuple(decode),
-                        widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
+                        decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
 
     def _follows(self, seq: Sequence) -> bool:
         """Whether `seq` (the head of the queue) waits for its leader, which is prefilling their prompt. A

@@ -1,10 +1,16 @@
 # s41's device calls: bash docs/bench/cpu-s41/call.sh PART. On an H200: bench/h200_owed.sh PART (issues 15/16's owed
-# figures). On an H100: the host path on the VM's CPU, then the prompt-logprob tests under their CUDA tolerance and
-# the prompt-sharing forks' tests on CUDA.
+# figures). On an H100, PART 1: the host path on the VM's CPU, then the prompt-logprob tests under their CUDA
+# tolerance and the prompt-sharing forks' tests on CUDA; PART 2: the speculative and engine suites on CUDA (the
+# session's forks run in every engine's warm-up and wherever a test repeats a prompt).
 PART=${1:-1}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $name; $(date -u)"
 if [[ $name == *H200* ]]; then exec bash bench/h200_owed.sh "$OUT" "$PART"; fi
+if [[ $PART == 2 ]]; then
+  PYTEST_ARGS="-n 8" LIMIT_SPEC=500 bash bench/gpu_checks.sh $OUT spec
+  grep -E "passed|failed|=== " $OUT/log.txt | tail -3
+  exit
+fi
 CUDA_VISIBLE_DEVICES= PYTHONPATH=$PWD timeout 60 python3 bench/host_path.py --requests 200 2>&1 | tail -3 | tee $OUT/host-path.txt
 DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=240 TESTS="tests/test_prompt_logprobs.py tests/test_shares.py" \
   bash bench/gpu_checks.sh $OUT tests

@@ -137,3 +137,14 @@ def test_the_warm_requests_score_a_prompt(pair, monkeypatch):
     monkeypatch.setattr(engine.runner, "_prefill_scored", recording)
     engine._warm_requests()
     assert sorted(scored) == [16, 29] and not engine.has_work()
+
+
+def test_top_logprobs_of_a_vocabulary_smaller_than_k_list_every_token():
+    """k = 20 over a 12-token vocabulary: each row's every token, most likely first (the engine's start-up
+    memory probe scores a block at MAX_LOGPROBS whatever the vocabulary)."""
+    from deltaflash.speculative.acceptance import token_logprobs
+
+    rows = torch.randn(3, 12)
+    chosen, ids, values, ranks = token_logprobs(rows, torch.tensor([0, 5, 11]), 20, ranks=True)
+    assert ids.shape == (3, 12) and torch.equal(ids[:, 0], rows.argmax(-1)) and bool((values[:, :-1] >= values[:, 1:]).all())
+    assert torch.equal(ranks, (rows > rows.gather(1, torch.tensor([[0], [5], [11]]))).sum(1) + 1)

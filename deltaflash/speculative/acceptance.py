@@ -92,10 +92,10 @@ def with_logprobs(accepted: Accepted, rows: Tensor, top_logprobs: int) -> Accept
 
 def token_logprobs(rows: Tensor, tokens: Tensor, k: int, ranks: bool = False):
     """(log probability of tokens [...] under rows [..., V] of raw logits, fp32; the ids and log probabilities
-    [..., k] of each row's k most likely tokens, most likely first, or None for k = 0; with `ranks` each
-    token's rank in its row [...] - 1 + the tokens likelier than it - else None)."""
+    [..., k] of each row's k most likely tokens, most likely first (every token where V < k), or None for k = 0;
+    with `ranks` each token's rank in its row [...] - 1 + the tokens likelier than it - else None)."""
     log_p = rows.float().log_softmax(dim=-1)
-    top = log_p.topk(k, dim=-1) if k > 0 else None
+    top = log_p.topk(min(k, log_p.shape[-1]), dim=-1) if k > 0 else None
     chosen = log_p.gather(-1, tokens[..., None])
     rank = (log_p > chosen).sum(-1) + 1 if ranks else None
     return chosen[..., 0], None if top is None else top.indices, None if top is None else top.values, rank

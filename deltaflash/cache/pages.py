@@ -94,20 +94,33 @@ class PageAllocator:
     def share(self, source: int, slot: int, count: int) -> list[tuple[int, int, int]]:
         """`slot` (holding nothing) holds the first `count` pages of `source` too, read only (a fork after their
         common prompt); returns the new (slot, table index, page) entries."""
-        if self.held[slot]:
-            raise ValueError(f"slot {slot} already holds pages")
         pages = self.held[source][:count]
         if len(pages) < count:
             raise ValueError(f"slot {source} holds {len(pages)} pages, not {count}")
-        for page in pages:
-            self._holders[page] = self._holders.get(page, 1) + 1
+        return self.adopt(slot, pages)
+
+    def adopt(self, slot: int, pages: list[int]) -> list[tuple[int, int, int]]:
+        """`slot` (holding nothing) holds `pages` (held already: by another slot, or kept by the prefix cache)
+        as its first pages, read only; returns the new (slot, table index, page) entries."""
+        if self.held[slot]:
+            raise ValueError(f"slot {slot} already holds pages")
+        self.hold(pages)
         self.held[slot] = list(pages)
         return [(slot, index, page) for index, page in enumerate(pages)]
 
+    def hold(self, pages: list[int]) -> None:
+        """One more holder of each of `pages` (held already); `give_back` ends it."""
+        for page in pages:
+            self._holders[page] = self._holders.get(page, 1) + 1
+
     def release(self, slot: int) -> int:
         """Give back every page of `slot` (retirement, cancellation, preemption); returns how many are free
-        again (a page another slot still holds is not)."""
+        again (a page another holder still holds is not)."""
         pages, self.held[slot] = self.held[slot], []
+        return self.give_back(pages)
+
+    def give_back(self, pages: list[int]) -> int:
+        """One holder lets `pages` go; those nobody holds any more are free again (returns how many)."""
         if self._holders:
             pages = [page for page in pages if not self._unshare(page)]
         self._returned.extend(reversed(pages))

@@ -38,7 +38,7 @@ class SlotPool:
     """
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device,
-                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None, saved_rows: int = 0):
         G, A = len(cfg.gdn_layer_ids), len(cfg.attn_layer_ids)
         self.num_slots = num_slots
         self.conv_history = torch.zeros(num_slots, G, cfg.conv_channels, cfg.conv_kernel - 1, dtype=dtype, device=device)
@@ -54,6 +54,9 @@ class SlotPool:
         self.key_cache = page_store(kv_shape, dtype, device)
         self.value_cache = page_store(kv_shape, dtype, device)
         self.lengths = [0] * num_slots
+        # the prefix cache's rows (engine/prefix_cache.py): a slot's GDN state after a kept prompt
+        self.saved_conv = torch.zeros(saved_rows, *self.conv_history.shape[1:], dtype=dtype, device=device)
+        self.saved_state = torch.zeros(saved_rows, *self.recurrent_state.shape[1:], dtype=torch.float32, device=device)
 
     def kv_of(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [A, length, nkv, hd] of a slot's positions 0..length-1, gathered from its pages."""
@@ -78,8 +81,24 @@ class SlotPool:
             self.conv_history[slot].copy_(self.conv_history[source])
             self.recurrent_state[slot].copy_(self.recurrent_state[source])
             self.lengths[slot] = self.lengths[source]
+        self.copy_pages(pages)
+
+    def copy_pages(self, pages: Tensor) -> None:
+        """pages [2, N] (device int64): the K/V of page pages[0, j] is copied into page pages[1, j]."""
         copy_pages(self.key_cache, pages)
         copy_pages(self.value_cache, pages)
+
+    def save(self, slot: int, row: int) -> None:
+        """The slot's GDN state (conv history, recurrent state) into saved row `row`."""
+        self.saved_conv[row].copy_(self.conv_history[slot])
+        self.saved_state[row].copy_(self.recurrent_state[slot])
+
+    def restore(self, row: int, slot: int, length: int) -> None:
+        """Slot `slot` starts from saved row `row`, `length` positions committed (its pages are mapped, the
+        partial last one copied with `copy_pages`)."""
+        self.conv_history[slot].copy_(self.saved_conv[row])
+        self.recurrent_state[slot].copy_(self.saved_state[row])
+        self.lengths[slot] = length
 
 
 class SlotTable:

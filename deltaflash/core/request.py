@@ -258,6 +258,7 @@ class StepReport:
     prefill_budget: int = 0  # the most prompt tokens the step could prefill (the scheduler's budget)
     prefill_rows: int = 0  # rows its prefill computed: prompt tokens, or a replayed graph's padded lanes x T
     shared_prompt_tokens: int = 0  # prompt tokens of the sequences forked this step (not prefilled again)
+    cached_prompt_tokens: int = 0  # prompt tokens the sequences admitted this step took from the prefix cache
 
 
 @dataclass(frozen=True)

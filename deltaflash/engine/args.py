@@ -89,6 +89,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-prefill-tokens", type=int, default=2048,
                    help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
                         "chunks, faster time to first token); at least --max-num-batched-tokens")
+    p.add_argument("--prefix-cache", type=int, default=None, metavar="N",
+                   help="prompts (of 64 tokens or more) whose state is kept for later prompts that begin with them: "
+                        "an agent's next turn prefills only what is new (a slot's GDN state each, and their K/V "
+                        "pages, given back least recently used first); default: --max-concurrency; 0: off")
     p.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
                    help="a request whose prompt another is prefilling (the n samples of one prompt, the same prompt "
                         "sent twice) forks from that prefill instead of prefilling the prompt again")
@@ -109,7 +113,7 @@ def scheduler_config(args) -> dict:
     """The EngineConfig fields of `add_scheduler_args`' flags."""
     return {"max_num_batched_tokens": args.max_num_batched_tokens, "scale_prefill_budget": args.scale_prefill_budget,
             "max_prefill_stall": args.max_prefill_stall, "idle_prefill_tokens": args.idle_prefill_tokens,
-            "share_prompts": args.share_prompts}
+            "share_prompts": args.share_prompts, "prefix_cache": args.prefix_cache}
 
 
 def given_flags(args, add: Callable[[argparse.ArgumentParser], None]) -> list[str]:
@@ -182,8 +186,9 @@ def check_scheduler_flags(args) -> None:
     """The ranges of `add_scheduler_args`' flags (before anything loads)."""
     for name, value, low in (("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
                              ("--idle-prefill-tokens", args.idle_prefill_tokens, 1),
-                             ("--max-prefill-stall", args.max_prefill_stall, 0)):
-        if value < low:
+                             ("--max-prefill-stall", args.max_prefill_stall, 0),
+                             ("--prefix-cache", args.prefix_cache, 0)):
+        if value is not None and value < low:
             raise DeltaflashError(f"{name} must be >= {low}, got {value}")
 
 

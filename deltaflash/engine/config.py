@@ -65,6 +65,9 @@ class EngineConfig:
     share_prompts: a request whose prompt a sequence is prefilling (the n samples of one prompt; clients sending
         the same prompt) waits for that prefill and forks from it - the state copied, the prompt's whole pages
         shared - instead of prefilling the prompt again (engine/shares.py).
+    prefix_cache: prompts (of at least 64 tokens) whose state the prefix cache keeps for later prompts that begin
+        with them (engine/prefix_cache.py: a row of saved GDN state each, a slot's size, and their pages, given
+        back least recently used first when pages run short); None = max_slots; 0 = off.
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.
@@ -124,6 +127,7 @@ class EngineConfig:
     scale_prefill_budget: bool | None = None
     max_prefill_stall: float = 0.0
     share_prompts: bool = True
+    prefix_cache: int | None = None
     page_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -150,7 +154,7 @@ class EngineConfig:
         capacity by the runner, `fit_to_pages`.)"""
         env = os.environ if env is None else env
         for name, low in (("max_slots", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
-                          ("idle_prefill_tokens", 1), ("block_size", 0),
+                          ("idle_prefill_tokens", 1), ("block_size", 0), ("prefix_cache", 0),
                           ("page_size", 1), ("kv_cache_memory", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
@@ -220,6 +224,7 @@ class EngineConfig:
                                    round_graphs=round_graphs, tree_max_lanes=tree_max_lanes,
                                    block_size=block, speculation=speculation,
                                    max_model_len=self.max_model_len or model_max_len,
+                                   prefix_cache=self.max_slots if self.prefix_cache is None else self.prefix_cache,
                                    idle_prefill_tokens=max(self.idle_prefill_tokens, self.max_num_batched_tokens))
 
     def _skinny_gemm(self, device: torch.device, env: Mapping[str, str], graphs: bool) -> str:

@@ -31,7 +31,8 @@ log = logging.getLogger("deltaflash.engine")
 
 def empty_stats() -> dict[str, int]:
     """The engine's counters (Engine.stats) at zero."""
-    names = ("prefill_tokens", "shared_prompt_tokens", "decode_rounds", "generated_tokens", "preemptions")
+    names = ("prefill_tokens", "shared_prompt_tokens", "cached_prompt_tokens", "decode_rounds", "generated_tokens",
+             "preemptions")
     return dict.fromkeys(names, 0)
 
 
@@ -73,6 +74,7 @@ class Engine:
             for choice in (self.scheduler.policy, self.scheduler.tree_choice, self.scheduler.costs):
                 if choice is not None:  # what the warm requests taught them is not about clients
                     choice.forget()
+            self.scheduler.clear_prefix_cache()
         self.stats = empty_stats()
         self.startup_s = time.perf_counter() - t0 if self.device.type == "cuda" else 0.0
 
@@ -247,7 +249,7 @@ class Engine:
                                  len(plan.preempted), used, total, tuple(s.request_id for s in admitted),
                                  result.prefill_graphed, result.device_idle_s, plan.tree_budget,
                                  plan.prefill_budget, result.prefill_rows,
-                                 sum(len(f.seq.prompt_ids) for f in plan.forks)))
+                                 sum(len(f.seq.prompt_ids) for f in plan.forks), sum(r.tokens for r in plan.restores)))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:
@@ -261,6 +263,7 @@ class Engine:
                 seq.status = Status.DECODING
                 if chunk.emits:  # a resumed sequence's pending token was emitted before its preemption
                     self._first(seq, next(completed), events)
+        self.stats["cached_prompt_tokens"] += sum(r.tokens for r in plan.restores)
         for fork in plan.forks:  # (after their leaders: the prompt logprobs are complete)
             seq = fork.seq
             seq.status = Status.DECODING

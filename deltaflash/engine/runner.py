@@ -32,7 +32,7 @@ from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs,
                                       buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
-from deltaflash.engine.scheduler import Fork, PrefillChunk, StepPlan
+from deltaflash.engine.scheduler import Fork, PrefillChunk, Restore, StepPlan
 from deltaflash.models.layers import is_routed, route_products
 from deltaflash.ops.attention import dense as dense_attention
 from deltaflash.ops.gdn import fla_launch
@@ -154,7 +154,7 @@ class ModelRunner:
         # verify rows of a sequence at its last position reach up to W - 1 positions further
         capacity = config.max_model_len + config.reach
         self.pool = SlotPool(self.cfg, config.max_slots, capacity, self.dtype, self.device, config.page_size,
-                             self.page_plan.num_pages)
+                             self.page_plan.num_pages, saved_rows=config.prefix_cache or 0)
         self.graphs = CudaGraphs(config.max_slots, self.device) if config.cuda_graphs else None
         factory = self.graphs.add if self.graphs is not None else None
         if drafter is not None:
@@ -239,7 +239,8 @@ class ModelRunner:
         cfg, G = self.cfg, len(self.cfg.gdn_layer_ids)
         conv = cfg.conv_channels * (cfg.conv_kernel - 1) * torch.tensor([], dtype=self.dtype).element_size()
         state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        return config.max_slots * G * (conv + state) + G * state  # (+ the pool's state sink)
+        rows = config.max_slots + (config.prefix_cache or 0)  # (+ the prefix cache's saved rows)
+        return rows * G * (conv + state) + G * state  # (+ the pool's state sink)
 
     @torch.inference_mode()
     def _probe_peak_bytes(self, config: EngineConfig, drafter) -> int:
@@ -391,9 +392,13 @@ class ModelRunner:
             self.pool.reset(seq.slot)
             if self.source is not None:
                 self.source.reset(seq.slot)
+        if plan.restores:
+            self._restore(plan.restores)
         t0 = time.perf_counter()
         first, graphed, scores = self._prefill(plan.prefill, plan.forks, alone=not plan.decode) if plan.prefill \
             else (None, 0, {})
+        for snapshot in plan.snapshots:  # (after the restores: an evicted entry's row may be taken again)
+            self.pool.save(snapshot.seq.slot, snapshot.row)
         t1 = clock = time.perf_counter()
         round_, marks = None, []
         if plan.decode:
@@ -454,6 +459,19 @@ class ModelRunner:
         drafts = none[:, None][:, :0]
         return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed, \
             scores
+
+    def _restore(self, restores: tuple[Restore, ...]) -> None:
+        """Admitted sequences start from a kept prompt's saved state (engine/prefix_cache.py): the GDN state and
+        length, and a copy of the kept prompt's partial last page in the target's K/V and the drafter's context
+        (its whole pages are mapped into the slot's table with the plan's pages)."""
+        for r in restores:
+            self.pool.restore(r.row, r.seq.slot, r.tokens)
+        copied = [r.page for r in restores if r.page is not None]
+        if copied:
+            pages = to_device(np.array(copied, dtype=np.int64).T.copy(), self.device)
+            self.pool.copy_pages(pages)
+            if self.source is not None:
+                self.source.copy_pages(pages)
 
     def _fork(self, forks: tuple[Fork, ...]) -> None:
         """Each fork's slot becomes a copy of its leader's, whose prefill this step completed: the GDN state and

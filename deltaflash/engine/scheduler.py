@@ -11,7 +11,9 @@ over a plain round's when `scale_prefill_budget` (a costlier round, a proportion
 EngineConfig), and held to the tokens whose measured cost stays within `max_prefill_stall` rounds when that
 is set; `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle engine stalls no
 stream, and larger chunks prefill it faster). A request whose prompt another sequence is prefilling waits
-for it and is forked from it in the step that completes the prompt (engine/shares.py). A preempted sequence
+for it and is forked from it in the step that completes the prompt (engine/shares.py); one whose prompt begins
+with a prompt the prefix cache keeps starts from its state and prefills only the rest, and the state of each
+prompt a step completes is kept (engine/prefix_cache.py). A preempted sequence
 gives back its slot and pages and waits at the head of the queue; when readmitted, its prompt and generated
 tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -31,6 +33,7 @@ from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
                                       prefill_shapes, prefill_tile)
+from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache
 from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
@@ -70,6 +73,25 @@ class Fork:
     page: tuple[int, int] | None
 
 
+@dataclass(frozen=True, eq=False)
+class Restore:
+    """`seq` starts from a kept prompt's state (engine/prefix_cache.py): row `row` of the saved state, its
+    first `tokens` positions prefilled; `page`: (the kept prompt's partial last page, seq's copy), or None."""
+
+    seq: Sequence
+    row: int
+    tokens: int
+    page: tuple[int, int] | None
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """The state of `seq`'s slot after this step's prefill (its whole prompt) is saved to row `row`."""
+
+    seq: Sequence
+    row: int
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What one step runs.
@@ -81,7 +103,9 @@ class StepPlan:
         entries at the sink first, so no stale entry can reach a page another sequence now holds).
     pages: (slot, table index, page) entries granted this step (the runner maps them after that).
     prefill: prompt chunks, in order. forks: sequences given a slot this step as forks of a sequence whose
-        prompt the step's prefill completes (their pages are among `pages`).
+        prompt the step's prefill completes (their pages are among `pages`). restores: admitted sequences that start
+        from a kept prompt's state (the runner restores it after the reset). snapshots: slots whose state the
+        runner saves after the step's prefill (a prompt the prefix cache keeps from now on).
     decode: the round's lanes; widths[i]: 1 + the drafts lane i may accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
     the tree's nodes: each has a CUDA graph); tree_budget: the round verifies trees of that many nodes
     (0: chains). prefill_budget: the most prompt tokens the step could prefill (Scheduler.prefill_budget).
@@ -94,6 +118,8 @@ class StepPlan:
     pages: tuple[tuple[int, int, int], ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     forks: tuple[Fork, ...] = ()
+    restores: tuple[Restore, ...] = ()
+    snapshots: tuple[Snapshot, ...] = ()
     decode: tuple[Sequence, ...] = ()
     widths: tuple[int, ...] = ()
     round_width: int = 1
@@ -127,6 +153,8 @@ class Scheduler:
         self._released: list[int] = []  # slots whose pages went back since the last plan
         self._cancels = 0  # abort calls since the last plan (none: no sequence to look for)
         self.shares = PromptShares()  # who waits to fork from whom (config.share_prompts)
+        self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
+        self.steps = 0  # schedule calls: the prefix cache's clock
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -161,20 +189,31 @@ class Scheduler:
             seq.slot = -1
 
     def schedule(self) -> StepPlan:
+        self.steps += 1
         cancelled = self._retire_cancelled()
         decode, (widths, round_width, tree_budget), preempted, short = self._make_room()
         grants = [g for slot, tokens in short for g in self.pages.grow(slot, tokens)]
-        admitted = []
+        admitted, restores, size = [], [], self.config.page_size
         while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
             seq = self.waiting[0]
             if self._follows(seq):
                 break  # it forks when its leader's prompt is done (_forks)
-            need = pages_for(seq.prefill_len, self.config.page_size)
+            kept = self._kept_prefix(seq)
+            start = len(kept.tokens) if kept is not None else 0  # positions the kept prompt's pages hold
+            need = pages_for(seq.prefill_len, size) - start // size
+            while need > self.pages.num_free - (self.watermark if self.running else 0) and self._evict(kept):
+                pass
             if need > self.pages.num_free - (self.watermark if self.running else 0):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, 0
+            seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, start
+            if kept is not None:
+                grants += self.pages.adopt(seq.slot, kept.pages[:start // size])
             grants += self.pages.grow(seq.slot, seq.prefill_len)
+            if kept is not None:
+                page = (kept.pages[start // size], self.pages.held[seq.slot][start // size]) if start % size else None
+                restores.append(Restore(seq, kept.row, start, page))
+                self.prefix.touch(kept, self.steps)
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
@@ -185,7 +224,50 @@ class Scheduler:
         forks = self._forks(prefill, grants) if not preempted else ()
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         released=released, pages=tuple(grants), prefill=prefill, forks=tuple(forks),
+                        restores=tuple(restores), snapshots=tuple(self._snapshots(prefill)),
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
+
+    def _kept_prefix(self, seq: Sequence) -> CachedPrompt | None:
+        """The longest prompt the prefix cache keeps that `seq`'s tokens to prefill begin with (none for a
+        request scoring its prompt: every row of it is needed)."""
+        if self.prefix is None or not self.prefix.entries or seq.params.prompt_logprobs is not None:
+            return None
+        return self.prefix.longest(seq.prefill_array(0, seq.prefill_len))
+
+    def _evict(self, keep: CachedPrompt | None = None) -> bool:
+        """Drop the least recently used kept prompt but `keep`, its pages given back; False when none is left."""
+        entry = self.prefix.evict(keep) if self.prefix is not None else None
+        if entry is not None:
+            self.pages.give_back(entry.pages)
+        return entry is not None
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every kept prompt (the engine's warm-up requests are nobody's prefix)."""
+        while self._evict():
+            pass
+
+    def _snapshots(self, chunks: tuple[PrefillChunk, ...]) -> list[Snapshot]:
+        """The prompts of at least MIN_TOKENS tokens the `chunks` complete, kept from this step on: a row of saved
+        state each (the least recently used entry evicted when none is free) and their pages held. A prompt kept
+        already is only marked used."""
+        if self.prefix is None:
+            return []
+        snapshots = []
+        for chunk in chunks:
+            seq = chunk.seq
+            if not chunk.emits or len(seq.prompt_ids) < MIN_TOKENS:
+                continue
+            kept = self.prefix.kept(seq.prompt_array)
+            if kept is not None:
+                self.prefix.touch(kept, self.steps)
+                continue
+            entry = self.prefix.add(seq.prompt_array, [], self.steps)
+            if entry is None and self._evict():
+                entry = self.prefix.add(seq.prompt_array, [], self.steps)
+            entry.pages = self.pages.held[seq.slot][:pages_for(len(seq.prompt_ids), self.config.page_size)]
+            self.pages.hold(entry.pages)
+            snapshots.append(Snapshot(seq, entry.row))
+        return snapshots
 
     def _follows(self, seq: Sequence) -> bool:
         """Whether `seq` (the head of the queue) waits for its leader, which is prefilling their prompt. A
@@ -335,6 +417,8 @@ class Scheduler:
             short = self.pages.short_of([s.slot for s in decode], [s.position + reach for s in decode])
             if sum(self.pages.missing(slot, tokens) for slot, tokens in short) <= self.pages.num_free:
                 return decode, chosen, preempted, short
+            if self._evict():  # kept prompts go before running sequences
+                continue
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
             preempted.append(victim)

@@ -46,6 +46,10 @@ class Metrics:
                                             "Prompt tokens not prefilled: requests forked from another's prefill of "
                                             "the same prompt (the n samples of one prompt; --share-prompts)",
                                             registry=r)
+        self.cached_prompt_tokens = Counter("deltaflash_prefix_cache_hit_tokens",
+                                            "Prompt tokens not prefilled: requests whose prompt began with a prompt "
+                                            "the prefix cache kept started from its state (--prefix-cache)",
+                                            registry=r)
         self.generated_tokens = Counter("deltaflash_generated_tokens", "Tokens generated", registry=r)
         buckets = tuple(range(1, max(block_size, 1) + 1))
         self.accepted_length = Histogram("deltaflash_accepted_length",
@@ -116,6 +120,8 @@ class Metrics:
             self.preemptions.inc(report.preempted)
         if report.shared_prompt_tokens:
             self.shared_prompt_tokens.inc(report.shared_prompt_tokens)
+        if report.cached_prompt_tokens:
+            self.cached_prompt_tokens.inc(report.cached_prompt_tokens)
         if report.pages_total:
             self.kv_usage.set(report.pages_used / report.pages_total)
 

@@ -1,0 +1,156 @@
+"""The prefix cache (engine/prefix_cache.py), on the CPU: a prompt that begins with a kept prompt starts from its
+saved state and prefills only the rest, with the outputs of an engine without the cache (greedy and seeded
+sampling, speculative and target-only, kept prompts ending inside a page); least recently used entries go
+first, for a row or for pages; scored prompts do not use it; preemption and cancellation leave no page held
+but the cache's, and clearing it gives every page back."""
+
+import pytest
+import torch
+
+from deltaflash.core.request import SamplingParams
+from deltaflash.engine.config import EngineConfig
+from deltaflash.errors import DeltaflashError
+from tests.spec_pairs import engine_for, make_pair, prompts
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("prefix"), block_size=6)
+
+
+def params(i: int, new: int = 12, **extra) -> SamplingParams:
+    """Greedy for odd i, else seeded sampling."""
+    return SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.0 if i % 2 else 1.0, seed=i, **extra)
+
+
+def one_by_one(engine, batch, new: int = 12, **extra):
+    """Each prompt run to completion before the next (so later ones find the earlier ones kept)."""
+    return [engine.generate([p], params(i, new, **extra))[0][0] for i, p in enumerate(batch)]
+
+
+def drained(engine) -> bool:
+    engine.scheduler.clear_prefix_cache()
+    s = engine.scheduler
+    return s.pages.num_free == s.pages.num_pages and not s.pages._holders and s.slots.num_free == engine.config.max_slots
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])
+def test_prompts_that_begin_with_a_kept_prompt_prefill_only_the_rest(pair, speculative):
+    draft = pair[1] if speculative else None
+    a, b, c = prompts(VOCAB, [100, 37, 20], seed=3)
+    turns = [a, a + b, a + b + c, a + c, a]  # the last: a kept prompt again, nothing after it (prefilled again)
+    config = dict(page_size=16, max_num_batched_tokens=48, idle_prefill_tokens=48)
+    cached = engine_for(pair[0], draft, **config)
+    got = [x.token_ids for x in one_by_one(cached, turns)]
+    want = [x.token_ids for x in one_by_one(engine_for(pair[0], draft, prefix_cache=0, **config), turns)]
+    assert got == want
+    assert cached.stats["cached_prompt_tokens"] == 100 + 137 + 100
+    assert cached.stats["prefill_tokens"] == 100 + 37 + 20 + 20 + 100
+    assert len(cached.scheduler.prefix) == 4 and drained(cached)  # a, a+b, a+b+c, a+c
+
+
+def test_the_least_recently_used_prompt_goes_first(pair):
+    a, b, x = prompts(VOCAB, [70, 80, 5], seed=4)
+    engine = engine_for(pair[0], prefix_cache=2)
+    one_by_one(engine, [a, b])
+    one_by_one(engine, [a + x])   # a used: b is the least recently used now
+    assert engine.stats["cached_prompt_tokens"] == 70
+    one_by_one(engine, [b + x])   # a + x took b's row
+    assert engine.stats["cached_prompt_tokens"] == 70
+    one_by_one(engine, [a + x + x])
+    assert engine.stats["cached_prompt_tokens"] == 70 + 75 and drained(engine)
+
+
+def test_kept_prompts_give_their_pages_back_before_anybody_waits_or_is_preempted(pair):
+    """A pool of 50 pages of 4 positions: three 70-token prompts would keep 54 pages, so the third evicts
+    the first; new prompts then still get every page they need (the kept ones' given back before anybody
+    waits or is preempted): the outputs and preemptions equal an engine without the cache."""
+    page = engine_for(pair[0], max_slots=1, max_model_len=112, page_size=4).runner.page_plan.page_bytes
+    config = dict(max_slots=2, max_model_len=112, page_size=4, kv_cache_memory=50 * page)
+    kept = prompts(VOCAB, [70, 70, 70], seed=5)
+    fresh = prompts(VOCAB, [80, 90], seed=6)
+    engine = engine_for(pair[0], **config)
+    one_by_one(engine, kept)
+    assert len(engine.scheduler.prefix) == 2
+    got = [c.token_ids for c in engine.generate(fresh, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]]
+    plain = engine_for(pair[0], prefix_cache=0, **config)
+    want = [c.token_ids for c in plain.generate(fresh, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]]
+    assert got == want and engine.stats["preemptions"] == plain.stats["preemptions"]
+    assert drained(engine)
+
+
+def test_a_growing_sequence_takes_a_kept_prompts_pages_before_it_is_preempted(pair):
+    """40 pages of 4 positions, a kept 66-token prompt holding 17: a 20-token prompt growing to 120 tokens
+    (30 pages) takes them as it grows - no preemption, the entry gone."""
+    page = engine_for(pair[0], max_slots=1, max_model_len=128, page_size=4).runner.page_plan.page_bytes
+    engine = engine_for(pair[0], max_slots=2, max_model_len=128, page_size=4, kv_cache_memory=40 * page)
+    kept, short = prompts(VOCAB, [66, 20], seed=12)
+    one_by_one(engine, [kept], new=1)
+    assert len(engine.scheduler.prefix) == 1
+    got = engine.generate([short], SamplingParams(max_new_tokens=100, ignore_eos=True))[0][0].token_ids
+    want = engine_for(pair[0], prefix_cache=0, max_slots=2, max_model_len=128, page_size=4).generate(
+        [short], SamplingParams(max_new_tokens=100, ignore_eos=True))[0][0].token_ids
+    assert got == want and engine.stats["preemptions"] == 0 and len(engine.scheduler.prefix) == 0
+    assert drained(engine)
+
+
+def test_scored_prompts_are_prefilled_whole(pair):
+    a, b = prompts(VOCAB, [80, 12], seed=7)
+    engine = engine_for(pair[0])
+    one_by_one(engine, [a])
+    scored = engine.generate([a + b], params(1, 4, prompt_logprobs=1))[0][0]
+    assert engine.stats["cached_prompt_tokens"] == 0
+    alone = engine_for(pair[0], prefix_cache=0).generate([a + b], params(1, 4, prompt_logprobs=1))[0][0]
+    assert [t.token_id for t in scored.prompt_logprobs] == [t.token_id for t in alone.prompt_logprobs]
+    assert torch.allclose(torch.tensor([t.logprob for t in scored.prompt_logprobs]),
+                          torch.tensor([t.logprob for t in alone.prompt_logprobs]))
+    assert drained(engine)
+
+
+def test_restored_sequences_preempted_resume_exactly(pair):
+    """Four continuations of one kept prompt in a pool too small for all of them at once: restored
+    sequences are preempted and recomputed; outputs equal an engine without the cache."""
+    base = prompts(VOCAB, [66], seed=8)[0]
+    tails = prompts(VOCAB, [3, 6, 9, 12], seed=9)
+    page = engine_for(pair[0], max_slots=1, max_model_len=128, page_size=4).runner.page_plan.page_bytes
+    config = dict(max_slots=4, max_model_len=128, page_size=4, kv_cache_memory=60 * page)
+    batch = [base + t for t in tails]
+    engine = engine_for(pair[0], **config)
+    one_by_one(engine, [base])
+    got = [c.token_ids for c in engine.generate(batch, SamplingParams(max_new_tokens=40, ignore_eos=True))[0]]
+    plain = engine_for(pair[0], prefix_cache=0, **config)
+    want = [c.token_ids for c in plain.generate(batch, SamplingParams(max_new_tokens=40, ignore_eos=True))[0]]
+    assert got == want and engine.stats["preemptions"] > 0 and engine.stats["cached_prompt_tokens"] >= 66
+    assert drained(engine)
+
+
+def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_cache_holding_pages(pair):
+    page = engine_for(pair[0], max_slots=1, max_model_len=160, page_size=4).runner.page_plan.page_bytes
+    engine = engine_for(pair[0], max_slots=4, max_model_len=160, page_size=4, max_num_batched_tokens=32,
+                        kv_cache_memory=70 * page, prefix_cache=3)
+    g = torch.Generator().manual_seed(2)
+    roots = prompts(VOCAB, [64, 70, 90], seed=10)
+    ids = []
+    for _ in range(150):
+        root = roots[int(torch.randint(0, 3, (), generator=g))]
+        tail = torch.randint(0, VOCAB, (int(torch.randint(0, 12, (), generator=g)),), generator=g).tolist()
+        ids.append(engine.add_request(root + tail, SamplingParams(max_new_tokens=int(torch.randint(1, 16, (),
+                                                                                                   generator=g)),
+                                                                  ignore_eos=True)))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps % 4 == 0:
+            engine.abort(ids[(steps * 7) % 150])
+    assert engine.stats["cached_prompt_tokens"] > 0 and engine.stats["preemptions"] > 0
+    assert drained(engine)
+
+
+def test_the_prefix_cache_is_checked():
+    with pytest.raises(DeltaflashError, match="prefix_cache must be >= 0"):
+        EngineConfig(prefix_cache=-1).resolve(torch.device("cpu"), None)
+    assert EngineConfig(max_slots=5).resolve(torch.device("cpu"), None).prefix_cache == 5
+    assert EngineConfig(prefix_cache=0).resolve(torch.device("cpu"), None).prefix_cache == 0

@@ -6,6 +6,10 @@ PART=${1:-1}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $name; $(date -u)"
 if [[ $name == *H200* ]]; then exec bash bench/h200_owed.sh "$OUT" "$PART"; fi
+if [[ $PART == 4 ]]; then  # the prefix cache on the 9B shape, then part 3
+  bash bench/gpu_checks.sh $OUT turns; grep -vE "^\s*$|Warn|warn" $OUT/log.txt | tail -6
+  PART=3
+fi
 if [[ $PART == 3 ]]; then  # the 2048-token TTFT's host parts with the collector frozen (means without GC pauses)
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
   export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache

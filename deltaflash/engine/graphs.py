@@ -33,11 +33,16 @@ PREFILL_MAX_ROWS = 2048  # longer chunks run eagerly (their host overhead is sma
 # of the 9B shape that is 0.09 against 0.53 ms per layer in the paged kernel; at 512 rows the paged kernel
 # costs ~0.03 ms per layer (the cost goes as rows squared), too little to pay for a second graph.
 FRESH_PREFILL_MIN_ROWS = 1024
-# A prompt's chunk after at least this many committed keys, alone in a step that decodes nothing (a long
-# prompt at an idle engine), runs eagerly: its attention then gathers the context into one dense run for
-# the flash kernel (ops/attention/dense.py), which no fixed-shape graph can (the run's length varies),
-# and at 2048+ keys that saves more device time than the graph saves host time.
+# A prompt's chunk of at least EAGER_DENSE_MIN_ROWS rows after at least EAGER_DENSE_MIN_CONTEXT committed keys,
+# alone in a step that decodes nothing (a long prompt at an idle engine), runs eagerly: its attention then
+# gathers the context into one dense run for the flash kernel (ops/attention/dense.py), which no fixed-shape
+# graph can (the run's length varies), and at 2048+ keys that saves more device time than the graph saves
+# host time. A shorter chunk (a long prompt's rest; a prompt after a kept prefix) replays its graph: the
+# eager launching of the 9B shape costs ~75 ms of host time on the H100 VM (a 128-row chunk after 2,048
+# keys: 77-80 ms to the first token, `bench/prefix_turns.py`), more than the paged kernel's attention over
+# 32k keys adds to a 1024-row graph (~4 ms a layer).
 EAGER_DENSE_MIN_CONTEXT = 2048
+EAGER_DENSE_MIN_ROWS = 1024
 # Prefill graphs of chunks of at least this many rows also get lane buckets of 3 x a power of two (3, 6,
 # 12, 24, ...): three chunks then replay 3 x T rows, not 4 x T. From 3 x 128 rows a step is compute-bound
 # (the 9B shape on the H200: ~190 rows of bf16 GEMM read the weights in the time they compute), so a

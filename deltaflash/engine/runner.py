@@ -29,8 +29,8 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import MAX_LOGPROBS, RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs,
-                                      buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
+from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS,
+                                      CudaGraphs, buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import Fork, PrefillChunk, Restore, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -487,6 +487,7 @@ class ModelRunner:
         """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly)."""
         one = chunks[0]
         long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
+            and len(one.tokens) >= EAGER_DENSE_MIN_ROWS \
             and dense_attention.gathers(one.start, len(one.tokens))
         replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
         return replayed if replayed is not None else (self._extend(chunks)[0], 0)

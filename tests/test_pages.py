@@ -15,7 +15,7 @@ from deltaflash.core.request import SamplingParams
 from deltaflash.errors import DeltaflashError, PagesExhaustedError, RequestError
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.speculative.sources import ScriptedSource
-from tests.spec_pairs import DEVICE, assert_greedy_equal, engine_for, make_pair, prompts
+from tests.spec_pairs import DEVICE, assert_greedy_equal, engine_for, make_pair, prompts, run_cancelling
 
 BLOCK = 6
 
@@ -129,12 +129,7 @@ def test_500_requests_retired_cancelled_or_preempted_give_every_page_back(pair):
         prompt = torch.randint(0, 96, (int(torch.randint(1, 20, (), generator=g)),), generator=g).tolist()
         ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=int(torch.randint(1, 24, (), generator=g)),
                                                              ignore_eos=True)))
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        if steps % 3 == 0:  # cancel some waiting, prefilling and decoding requests along the way
-            engine.abort(ids[(steps * 7) % 500])
+    run_cancelling(engine, ids, every=3)
     assert engine.stats["preemptions"] > 0
     assert all_free(engine)
 

@@ -10,7 +10,8 @@ import torch
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.config import EngineConfig
 from deltaflash.errors import DeltaflashError
-from tests.spec_pairs import engine_for, make_pair, prompts
+from tests.spec_pairs import engine_for, make_pair, prompts, run_cancelling
+from tests.test_pages import page_bytes
 
 VOCAB = 96
 
@@ -67,7 +68,7 @@ def test_kept_prompts_give_their_pages_back_before_anybody_waits_or_is_preempted
     """A pool of 50 pages of 4 positions: three 70-token prompts would keep 54 pages, so the third evicts
     the first; new prompts then still get every page they need (the kept ones' given back before anybody
     waits or is preempted): the outputs and preemptions equal an engine without the cache."""
-    page = engine_for(pair[0], max_slots=1, max_model_len=112, page_size=4).runner.page_plan.page_bytes
+    page = page_bytes(pair[0], page_size=4)
     config = dict(max_slots=2, max_model_len=112, page_size=4, kv_cache_memory=50 * page)
     kept = prompts(VOCAB, [70, 70, 70], seed=5)
     fresh = prompts(VOCAB, [80, 90], seed=6)
@@ -84,7 +85,7 @@ def test_kept_prompts_give_their_pages_back_before_anybody_waits_or_is_preempted
 def test_a_growing_sequence_takes_a_kept_prompts_pages_before_it_is_preempted(pair):
     """40 pages of 4 positions, a kept 66-token prompt holding 17: a 20-token prompt growing to 120 tokens
     (30 pages) takes them as it grows - no preemption, the entry gone."""
-    page = engine_for(pair[0], max_slots=1, max_model_len=128, page_size=4).runner.page_plan.page_bytes
+    page = page_bytes(pair[0], page_size=4)
     engine = engine_for(pair[0], max_slots=2, max_model_len=128, page_size=4, kv_cache_memory=40 * page)
     kept, short = prompts(VOCAB, [66, 20], seed=12)
     one_by_one(engine, [kept], new=1)
@@ -114,7 +115,7 @@ def test_restored_sequences_preempted_resume_exactly(pair):
     sequences are preempted and recomputed; outputs equal an engine without the cache."""
     base = prompts(VOCAB, [66], seed=8)[0]
     tails = prompts(VOCAB, [3, 6, 9, 12], seed=9)
-    page = engine_for(pair[0], max_slots=1, max_model_len=128, page_size=4).runner.page_plan.page_bytes
+    page = page_bytes(pair[0], page_size=4)
     config = dict(max_slots=4, max_model_len=128, page_size=4, kv_cache_memory=60 * page)
     batch = [base + t for t in tails]
     engine = engine_for(pair[0], **config)
@@ -127,7 +128,7 @@ def test_restored_sequences_preempted_resume_exactly(pair):
 
 
 def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_cache_holding_pages(pair):
-    page = engine_for(pair[0], max_slots=1, max_model_len=160, page_size=4).runner.page_plan.page_bytes
+    page = page_bytes(pair[0], page_size=4)
     engine = engine_for(pair[0], max_slots=4, max_model_len=160, page_size=4, max_num_batched_tokens=32,
                         kv_cache_memory=70 * page, prefix_cache=3)
     g = torch.Generator().manual_seed(2)
@@ -139,12 +140,7 @@ def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_
         ids.append(engine.add_request(root + tail, SamplingParams(max_new_tokens=int(torch.randint(1, 16, (),
                                                                                                    generator=g)),
                                                                   ignore_eos=True)))
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        if steps % 4 == 0:
-            engine.abort(ids[(steps * 7) % 150])
+    run_cancelling(engine, ids, every=4)
     assert engine.stats["cached_prompt_tokens"] > 0 and engine.stats["preemptions"] > 0
     assert drained(engine)
 

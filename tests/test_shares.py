@@ -9,7 +9,8 @@ import torch
 from deltaflash.cache.pages import PageAllocator
 from deltaflash.core.request import SamplingParams, Sequence
 from deltaflash.engine.shares import PromptShares
-from tests.spec_pairs import engine_for, make_pair, prompts
+from tests.spec_pairs import engine_for, make_pair, prompts, run_cancelling
+from tests.test_pages import page_bytes
 
 VOCAB = 96
 
@@ -138,8 +139,7 @@ def test_forks_under_preemption_give_every_page_back(pair):
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * len(batch)
     config = dict(max_slots=6, max_model_len=64, page_size=4)
     roomy, _ = run(engine_for(pair[0], **config), batch, params)
-    page = engine_for(pair[0], max_slots=1, max_model_len=64, page_size=4).runner.page_plan.page_bytes
-    tight = engine_for(pair[0], kv_cache_memory=30 * page, **config)
+    tight = engine_for(pair[0], kv_cache_memory=30 * page_bytes(pair[0], page_size=4), **config)
     got, _ = run(tight, batch, params)
     assert got == roomy and tight.stats["preemptions"] > 0 and tight.stats["shared_prompt_tokens"] > 0
     assert drained(tight)
@@ -161,18 +161,12 @@ def test_followers_get_the_leaders_prompt_logprobs(pair):
 
 def test_many_requests_with_repeated_prompts_cancelled_and_preempted_give_every_page_back(pair):
     engine = engine_for(pair[0], max_slots=5, max_model_len=48, page_size=4, max_num_batched_tokens=8,
-                        kv_cache_memory=18 * engine_for(pair[0], max_slots=1, max_model_len=48,
-                                                        page_size=4).runner.page_plan.page_bytes)
+                        kv_cache_memory=18 * page_bytes(pair[0], page_size=4))
     g = torch.Generator().manual_seed(1)
     pool = prompts(VOCAB, [1, 4, 7, 13, 19], seed=11)
     ids = [engine.add_request(pool[int(torch.randint(0, 5, (), generator=g))],
                               SamplingParams(max_new_tokens=int(torch.randint(1, 20, (), generator=g)), ignore_eos=True))
            for _ in range(300)]
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        if steps % 3 == 0:
-            engine.abort(ids[(steps * 7) % 300])
+    run_cancelling(engine, ids, every=3)
     assert engine.stats["preemptions"] > 0 and engine.stats["shared_prompt_tokens"] > 0
     assert drained(engine)

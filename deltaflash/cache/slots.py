@@ -72,16 +72,14 @@ class SlotPool:
         self.recurrent_state[slot].zero_()
         self.lengths[slot] = 0
 
-    def fork(self, sources: list[int], slots: list[int], pages: Tensor) -> None:
-        """Slot slots[i] starts as a copy of slot sources[i] (its conv history, recurrent state and length);
-        pages [2, N] (device int64): the K/V of page pages[0, j] is copied into page pages[1, j] (the partial
-        last pages of their common prompt). A copy per slot and state tensor, from the source's own rows (no
-        gathered temporary: 48 MiB of recurrent state a slot at the 9B shape)."""
+    def fork(self, sources: list[int], slots: list[int]) -> None:
+        """Slot slots[i] starts as a copy of slot sources[i] (its conv history, recurrent state and length; the
+        partial last page of their common prompt is copied with `copy_pages`). A copy per slot and state tensor,
+        from the source's own rows (no gathered temporary: 48 MiB of recurrent state a slot at the 9B shape)."""
         for source, slot in zip(sources, slots):
             self.conv_history[slot].copy_(self.conv_history[source])
             self.recurrent_state[slot].copy_(self.recurrent_state[source])
             self.lengths[slot] = self.lengths[source]
-        self.copy_pages(pages)
 
     def copy_pages(self, pages: Tensor) -> None:
         """pages [2, N] (device int64): the K/V of page pages[0, j] is copied into page pages[1, j]."""

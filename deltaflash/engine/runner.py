@@ -466,22 +466,23 @@ class ModelRunner:
         (its whole pages are mapped into the slot's table with the plan's pages)."""
         for r in restores:
             self.pool.restore(r.row, r.seq.slot, r.tokens)
-        copied = [r.page for r in restores if r.page is not None]
-        if copied:
-            pages = to_device(np.array(copied, dtype=np.int64).T.copy(), self.device)
-            self.pool.copy_pages(pages)
-            if self.source is not None:
-                self.source.copy_pages(pages)
+        self._copy_pages([r.page for r in restores if r.page is not None])
 
     def _fork(self, forks: tuple[Fork, ...]) -> None:
         """Each fork's slot becomes a copy of its leader's, whose prefill this step completed: the GDN state and
         length (SlotPool.fork) and the partial last prompt page, in the target's K/V and the drafter's context
         (the whole prompt pages are the leader's own, mapped into the fork's table with the plan's pages)."""
-        copied = [f.page for f in forks if f.page is not None]
-        pages = to_device(np.array(copied, dtype=np.int64).reshape(-1, 2).T.copy(), self.device)
-        self.pool.fork([f.leader.slot for f in forks], [f.seq.slot for f in forks], pages)
-        if self.source is not None:
-            self.source.copy_pages(pages)
+        self.pool.fork([f.leader.slot for f in forks], [f.seq.slot for f in forks])
+        self._copy_pages([f.page for f in forks if f.page is not None])
+
+    def _copy_pages(self, copied: list[tuple[int, int]]) -> None:
+        """Page b becomes a copy of page a for each (a, b) in `copied`, in the target's K/V and the drafter's
+        context (a fork's or a restored sequence's partial last prompt page)."""
+        if copied:
+            pages = to_device(np.array(copied, dtype=np.int64).T.copy(), self.device)  # [2, N]
+            self.pool.copy_pages(pages)
+            if self.source is not None:
+                self.source.copy_pages(pages)
 
     def _prefill_logits(self, chunks: tuple[PrefillChunk, ...], alone: bool) -> tuple[Tensor, int]:
         """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly)."""

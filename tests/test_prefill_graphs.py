@@ -238,24 +238,27 @@ def test_a_first_chunk_replays_the_graph_that_attends_over_its_own_rows(tmp_path
                     "takes half precision) and the GPU tests' engines are batch invariant")
 def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     """A prompt longer than the idle budget at an idle engine: its first chunk replays the first-chunk
-    graph; its next chunk, after EAGER_DENSE_MIN_CONTEXT committed keys, runs eagerly (its attention
-    gathers the context into one dense run, which no graph can). Outputs equal the eager engine's."""
-    from deltaflash.engine.graphs import EAGER_DENSE_MIN_CONTEXT
+    graph; its next chunk, after EAGER_DENSE_MIN_CONTEXT committed keys, runs eagerly when it has
+    EAGER_DENSE_MIN_ROWS rows or more (its attention gathers the context into one dense run, which no graph
+    can), and replays a graph when shorter (the eager launching would cost more). Outputs equal the eager
+    engine's."""
+    from deltaflash.engine.graphs import EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS
 
-    T = EAGER_DENSE_MIN_CONTEXT
-    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + 160,
-                  scale_prefill_budget=False)  # budget-sized chunks beside a round
+    T, rest = EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS + 36
+    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=T, max_model_len=T + rest + 60,
+                  scale_prefill_budget=False, prefix_cache=0)  # budget-sized chunks beside a round
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    (prompt,) = prompts(96, [T + 100], seed=10)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
-    replays = Replays(engine)
-    outputs = []
-    for e in (plain, engine):
-        (done,), _ = e.generate([prompt], params)
-        outputs.append(done.token_ids)
-    assert outputs[1] == outputs[0]
-    assert (replays.shapes, replays.fresh) == ([T], [True])  # the second chunk ran eagerly
+    for n, shapes, fresh in ((rest, [T], [True]), (100, [T, 128], [True, False])):
+        (prompt,) = prompts(96, [T + n], seed=10)
+        replays = Replays(engine)
+        outputs = []
+        for e in (plain, engine):
+            (done,), _ = e.generate([prompt], params)
+            outputs.append(done.token_ids)
+        assert outputs[1] == outputs[0]
+        assert (replays.shapes, replays.fresh) == (shapes, fresh), n  # a long rest eager, a short one replayed
 
 
 def test_three_long_chunks_replay_three_lanes_not_four(pair):

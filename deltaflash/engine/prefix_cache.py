@@ -26,12 +26,11 @@ MIN_TOKENS = 64  # shorter prompts cost less to prefill again than a snapshot of
 @dataclass(eq=False)
 class CachedPrompt:
     """A kept prompt: its tokens (int64, read only), the row of saved state holding the GDN state after them,
-    the pages holding their K/V (and the drafter's context), and when it was last used (a step count)."""
+    and the pages holding their K/V (and the drafter's context)."""
 
     tokens: np.ndarray
     row: int
     pages: list[int]
-    used: int
 
 
 class PrefixCache:
@@ -53,8 +52,8 @@ class PrefixCache:
                 best = entry
         return best
 
-    def touch(self, entry: CachedPrompt, now: int) -> None:
-        entry.used = now
+    def touch(self, entry: CachedPrompt) -> None:
+        """`entry` was used: the most recently used now."""
         self.entries.remove(entry)
         self.entries.append(entry)
 
@@ -63,11 +62,11 @@ class PrefixCache:
         return next((e for e in self.entries if len(e.tokens) == len(tokens) and np.array_equal(e.tokens, tokens)),
                     None)
 
-    def add(self, tokens: np.ndarray, pages: list[int], now: int) -> CachedPrompt | None:
+    def add(self, tokens: np.ndarray, pages: list[int]) -> CachedPrompt | None:
         """A new entry in a free row (None when every row is taken: evict first)."""
         if not self._free_rows:
             return None
-        entry = CachedPrompt(tokens, self._free_rows.pop(), pages, now)
+        entry = CachedPrompt(tokens, self._free_rows.pop(), pages)
         self.entries.append(entry)
         return entry
 

@@ -154,7 +154,6 @@ class Scheduler:
         self._cancels = 0  # abort calls since the last plan (none: no sequence to look for)
         self.shares = PromptShares()  # who waits to fork from whom (config.share_prompts)
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
-        self.steps = 0  # schedule calls: the prefix cache's clock
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -189,7 +188,6 @@ class Scheduler:
             seq.slot = -1
 
     def schedule(self) -> StepPlan:
-        self.steps += 1
         cancelled = self._retire_cancelled()
         decode, (widths, round_width, tree_budget), preempted, short = self._make_room()
         grants = [g for slot, tokens in short for g in self.pages.grow(slot, tokens)]
@@ -213,7 +211,7 @@ class Scheduler:
             if kept is not None:
                 page = (kept.pages[start // size], self.pages.held[seq.slot][start // size]) if start % size else None
                 restores.append(Restore(seq, kept.row, start, page))
-                self.prefix.touch(kept, self.steps)
+                self.prefix.touch(kept)
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
@@ -259,13 +257,13 @@ class Scheduler:
                 continue
             kept = self.prefix.kept(seq.prompt_array)
             if kept is not None:
-                self.prefix.touch(kept, self.steps)
+                self.prefix.touch(kept)
                 continue
-            entry = self.prefix.add(seq.prompt_array, [], self.steps)
+            pages = self.pages.held[seq.slot][:pages_for(len(seq.prompt_ids), self.config.page_size)]
+            entry = self.prefix.add(seq.prompt_array, pages)
             if entry is None and self._evict():
-                entry = self.prefix.add(seq.prompt_array, [], self.steps)
-            entry.pages = self.pages.held[seq.slot][:pages_for(len(seq.prompt_ids), self.config.page_size)]
-            self.pages.hold(entry.pages)
+                entry = self.prefix.add(seq.prompt_array, pages)
+            self.pages.hold(pages)
             snapshots.append(Snapshot(seq, entry.row))
         return snapshots
 

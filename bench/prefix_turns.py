@@ -3,7 +3,7 @@
     python3 bench/prefix_turns.py [--shape 9b|27b|toy] [--prompt-len 2048] [--turns 4] [--added 128] [--repeats 2]
 
 The 9B shape's target (random bf16 weights; CUDA) or the toy shape's (any device), target-only, the serve
-defaults but for max_model_len and a 4 GiB page pool (two engines share the device): one request per turn,
+defaults (max_model_len the model's 262,144) but for a 10 GiB page pool each (two engines share the device): one request per turn,
 greedy, 32 new tokens; turn 1 is a random prompt, each next turn that prompt and `added` more tokens (the
 answer and a tool's result, random here). Prints each turn's time to first token by mode (medians), the
 prompt tokens prefilled, and the ratio without / with from turn 2 on.
@@ -60,8 +60,7 @@ def main() -> None:
     prompts = [prompt]
     for _ in range(args.turns - 1):
         prompts.append(prompts[-1] + torch.randint(0, cfg.vocab_size, (args.added,), generator=g).tolist())
-    max_len = len(prompts[-1]) + 128
-    engines = {cache: Engine(model, None, None, EngineConfig(max_model_len=max_len, kv_cache_memory=4 << 30,
+    engines = {cache: Engine(model, None, None, EngineConfig(kv_cache_memory=10 << 30,
                                                              prefix_cache=None if cache else 0))
                for cache in (False, True)}
     runs: dict[bool, list] = {False: [], True: []}

@@ -3,7 +3,8 @@
     python3 bench/prompt_forks.py [--shape 9b|27b|toy] [--prompt-len 2048] [--n 8] [--new 64] [--repeats 2]
 
 The 9B shape's target (random bf16 weights; CUDA) or the toy shape's (any device), target-only, the serve
-defaults but for max_model_len and a 4 GiB page pool (two engines share the device): `n` greedy requests of
+defaults (max_model_len the model's 262,144) but for a 10 GiB page pool each (two engines share the device) and
+max(8, n) slots: `n` greedy requests of
 one prompt added at once, to completion. Prints per mode the time to the first token of the first and of the last request, the wall time, and the prefill
 tokens the engine computed; then the ratios (without / with).
 """
@@ -57,9 +58,8 @@ def main() -> None:
     cfg = SHAPES[args.shape]()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(cfg, dtype, device, copying=True)
-    max_len = args.prompt_len + args.new + 64
-    engines = {share: Engine(model, None, None, EngineConfig(max_slots=max(8, args.n), max_model_len=max_len,
-                                                             kv_cache_memory=4 << 30, share_prompts=share))
+    engines = {share: Engine(model, None, None, EngineConfig(max_slots=max(8, args.n), kv_cache_memory=10 << 30,
+                                                             share_prompts=share))
                for share in (False, True)}
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     runs: dict[bool, list[dict]] = {False: [], True: []}

@@ -1,12 +1,15 @@
-"""An agent's turns with the prefix cache against without, alternated in one run.
+"""An agent's turns, or questions after one system prompt, with the prefix cache against without, alternated.
 
     python3 bench/prefix_turns.py [--shape 9b|27b|toy] [--prompt-len 2048] [--turns 4] [--added 128] [--repeats 2]
+                                  [--system]
 
 The 9B shape's target (random bf16 weights; CUDA) or the toy shape's (any device), target-only, the serve
 defaults (max_model_len the model's 262,144) but for a 10 GiB page pool each (two engines share the device): one request per turn,
 greedy, 32 new tokens; turn 1 is a random prompt, each next turn that prompt and `added` more tokens (the
-answer and a tool's result, random here). Prints each turn's time to first token by mode (medians), the
-prompt tokens prefilled, and the ratio without / with from turn 2 on.
+answer and a tool's result, random here). With --system each turn's prompt is instead that random prompt (a
+system prompt) and `added` tokens of its own (a question): the second stops its prefill at their branch point,
+the later ones start there. Prints each turn's time to first token by mode (medians), the prompt tokens prefilled,
+and the ratio without / with from turn 2 on.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--added", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--system", action="store_true", help="each turn the first prompt and a question of its own")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -57,9 +61,14 @@ def main() -> None:
     model = random_model(cfg, torch.bfloat16 if device.type == "cuda" else torch.float32, device, copying=True)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-    prompts = [prompt]
-    for _ in range(args.turns - 1):
-        prompts.append(prompts[-1] + torch.randint(0, cfg.vocab_size, (args.added,), generator=g).tolist())
+    def more() -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (args.added,), generator=g).tolist()
+    if args.system:
+        prompts = [prompt + more() for _ in range(args.turns)]
+    else:
+        prompts = [prompt]
+        for _ in range(args.turns - 1):
+            prompts.append(prompts[-1] + more())
     engines = {cache: Engine(model, None, None, EngineConfig(kv_cache_memory=10 << 30,
                                                              prefix_cache=None if cache else 0))
                for cache in (False, True)}
@@ -68,8 +77,10 @@ def main() -> None:
         for cache in (False, True):
             runs[cache].append(turns(engines[cache], prompts))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"{name}: {args.shape} shape, target-only, {args.turns} turns from {args.prompt_len} tokens, +{args.added} "
-          f"a turn, 32 new tokens each, {args.repeats} alternated runs (medians)")
+    pattern = f"each a {args.prompt_len}-token system prompt and {args.added} tokens of its own" if args.system \
+        else f"{args.prompt_len} tokens, then +{args.added} a turn"
+    print(f"{name}: {args.shape} shape, target-only, {args.turns} turns: {pattern}, 32 new tokens each, "
+          f"{args.repeats} alternated runs (medians)")
     med = {c: [statistics.median(r[0][i] for r in runs[c]) for i in range(args.turns)] for c in runs}
     for cache in (False, True):
         label = "prefix cache" if cache else "--prefix-cache 0"

@@ -1,14 +1,18 @@
 """The prefix cache (engine/prefix_cache.py), on the CPU: a prompt that begins with a kept prompt starts from its
 saved state and prefills only the rest, with the outputs of an engine without the cache (greedy and seeded
 sampling, speculative and target-only, kept prompts ending inside a page); least recently used entries go
-first, for a row or for pages; scored prompts do not use it; preemption and cancellation leave no page held
-but the cache's, and clearing it gives every page back."""
+first, for a row or for pages; scored prompts do not use it; prompts sharing a long beginning meet at a branch
+point kept on the way; preemption and cancellation leave no page held but the cache's, and clearing it gives every
+page back."""
 
+import numpy as np
 import pytest
 import torch
 
 from deltaflash.core.request import SamplingParams
+from deltaflash.engine import prefix_cache, scheduler
 from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.prefix_cache import PrefixCache, branch_point
 from deltaflash.errors import DeltaflashError
 from tests.spec_pairs import engine_for, make_pair, prompts, run_cancelling
 from tests.test_pages import page_bytes
@@ -50,6 +54,84 @@ def test_prompts_that_begin_with_a_kept_prompt_prefill_only_the_rest(pair, specu
     assert cached.stats["cached_prompt_tokens"] == 100 + 137 + 100
     assert cached.stats["prefill_tokens"] == 100 + 37 + 20 + 20 + 100
     assert len(cached.scheduler.prefix) == 4 and drained(cached)  # a, a+b, a+b+c, a+c
+
+
+def kept_lengths(engine) -> list[int]:
+    return sorted(len(e.tokens) for e in engine.scheduler.prefix.entries)
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])
+def test_prompts_sharing_a_beginning_meet_at_its_branch_point(pair, speculative):
+    """Questions after one 300-token system prompt, one by one: the first is kept whole; the second shares 300
+    tokens with it, so its prefill stops at 256 (a multiple of BRANCH_ALIGN) and the state there is kept; the
+    next ones start from it. A 400-token prompt sent again branches short of its last token (at 384), and a
+    third time starts there. Outputs equal an engine without the cache."""
+    assert (prefix_cache.BRANCH_MIN_TOKENS, prefix_cache.BRANCH_ALIGN) == (256, 64)  # (the counts below)
+    draft = pair[1] if speculative else None
+    system, *rest = prompts(VOCAB, [300, 20, 30, 25, 400], seed=13)
+    turns = [system + q for q in rest[:3]] + [rest[3]] * 3
+    config = dict(max_model_len=512, max_num_batched_tokens=512, idle_prefill_tokens=512)
+    cached = engine_for(pair[0], draft, **config)
+    got = [x.token_ids for x in one_by_one(cached, turns)]
+    want = [x.token_ids for x in one_by_one(engine_for(pair[0], draft, prefix_cache=0, **config), turns)]
+    assert got == want
+    assert kept_lengths(cached) == [256, 320, 325, 330, 384, 400]
+    assert cached.stats["cached_prompt_tokens"] == 256 + 384
+    assert cached.stats["prefill_tokens"] == 320 + 330 + (325 - 256) + 400 + 400 + (400 - 384)
+    assert drained(cached)
+
+
+def test_a_branch_point_is_made_once_and_only_where_it_pays():
+    cache = PrefixCache(rows=4)
+    a = np.arange(300, dtype=np.int64)
+    cache.add(a, [])
+    b = np.concatenate([a[:290], np.full(20, 999)])
+    kept, shared = cache.match(b)
+    assert kept is None and shared == 290 and branch_point(shared, 0, len(b)) == 256
+    cache.add(b[:256], [])
+    kept, shared = cache.match(b)
+    assert len(kept.tokens) == 256 and shared == 290 and branch_point(shared, 256, len(b)) == 0
+    assert branch_point(255, 0, 400) == 0 and branch_point(256, 0, 400) == 256  # too few tokens skipped
+    assert branch_point(400, 0, 400) == 384  # an exact repeat: short of the last token
+    assert branch_point(1000, 320, 700) == 640 and branch_point(575, 320, 700) == 0
+    assert cache.match(a[:63]) == (None, 0)  # shorter than any kept prompt's lookup key
+    assert cache.kept(b[:256]) is not None and cache.kept(b[:257]) is None
+    cache.evict()  # a, the least recently used
+    assert cache.match(a) == (cache.entries[0], 256) and cache.kept(a) is None
+
+
+def small_branch_points(monkeypatch) -> list[int]:
+    """Branch points every 4 tokens past 8, so small prompts make them; returns the branch points admitted
+    sequences are given from then on, as the scheduler decides them."""
+    monkeypatch.setattr(prefix_cache, "BRANCH_MIN_TOKENS", 8)
+    monkeypatch.setattr(prefix_cache, "BRANCH_ALIGN", 4)
+    made = []
+
+    def spy(shared: int, start: int, total: int) -> int:
+        point = branch_point(shared, start, total)
+        made.extend([point] if point else [])
+        return point
+    monkeypatch.setattr(scheduler, "branch_point", spy)
+    return made
+
+
+def test_many_prompts_on_a_few_beginnings_meet_at_branch_points(pair, monkeypatch):
+    """Prompts on three roots added at once, then again in reverse: the later ones of the first wave part from
+    the earlier ones' kept prompts and branch there, prefills cut at the budget and at branch points alike, and
+    the second wave starts from those points. Outputs equal an engine without the cache."""
+    made = small_branch_points(monkeypatch)
+    page = page_bytes(pair[0], page_size=4)
+    config = dict(max_slots=4, max_model_len=160, page_size=4, max_num_batched_tokens=32, kv_cache_memory=115 * page)
+    roots = prompts(VOCAB, [64, 70, 90], seed=14)
+    tails = prompts(VOCAB, [1, 5, 9, 13, 2, 6, 10, 3], seed=15)
+    batch = [roots[i % 3] + t for i, t in enumerate(tails)]
+    engine, plain = engine_for(pair[0], prefix_cache=8, **config), engine_for(pair[0], prefix_cache=0, **config)
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for wave in (batch, batch[::-1]):
+        got = [c.token_ids for c in engine.generate(wave, sampling)[0]]
+        assert got == [c.token_ids for c in plain.generate(wave, sampling)[0]]
+    kept = kept_lengths(engine)
+    assert made and set(made) & set(kept) and engine.stats["cached_prompt_tokens"] > 0 and drained(engine)
 
 
 def test_the_least_recently_used_prompt_goes_first(pair):
@@ -127,7 +209,10 @@ def test_restored_sequences_preempted_resume_exactly(pair):
     assert drained(engine)
 
 
-def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_cache_holding_pages(pair):
+@pytest.mark.parametrize("branches", [False, True], ids=["whole-prompts", "branch-points"])
+def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_cache_holding_pages(
+        pair, monkeypatch, branches):
+    made = small_branch_points(monkeypatch) if branches else []
     page = page_bytes(pair[0], page_size=4)
     engine = engine_for(pair[0], max_slots=4, max_model_len=160, page_size=4, max_num_batched_tokens=32,
                         kv_cache_memory=70 * page, prefix_cache=3)
@@ -142,6 +227,7 @@ def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_
                                                                   ignore_eos=True)))
     run_cancelling(engine, ids, every=4)
     assert engine.stats["cached_prompt_tokens"] > 0 and engine.stats["preemptions"] > 0
+    assert bool(made) == branches
     assert drained(engine)
 
 

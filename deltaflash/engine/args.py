@@ -90,9 +90,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens one step prefills while nothing decodes (no stream to stall: larger "
                         "chunks, faster time to first token); at least --max-num-batched-tokens")
     p.add_argument("--prefix-cache", type=int, default=None, metavar="N",
-                   help="prompts (of 64 tokens or more) whose state is kept for later prompts that begin with them: "
-                        "an agent's next turn prefills only what is new (a slot's GDN state each, and their K/V "
-                        "pages, given back least recently used first); default: --max-concurrency; 0: off")
+                   help="prompts (of 64 tokens or more), and beginnings prompts share (a system prompt: from the "
+                        "second prompt on), whose state is kept for later prompts that begin with them: an agent's "
+                        "next turn prefills only what is new (a slot's GDN state each, and their K/V pages, given "
+                        "back least recently used first); default: --max-concurrency; 0: off")
     p.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
                    help="a request whose prompt another is prefilling (the n samples of one prompt, the same prompt "
                         "sent twice) forks from that prefill instead of prefilling the prompt again")

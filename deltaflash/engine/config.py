@@ -65,9 +65,10 @@ class EngineConfig:
     share_prompts: a request whose prompt a sequence is prefilling (the n samples of one prompt; clients sending
         the same prompt) waits for that prefill and forks from it - the state copied, the prompt's whole pages
         shared - instead of prefilling the prompt again (engine/shares.py).
-    prefix_cache: prompts (of at least 64 tokens) whose state the prefix cache keeps for later prompts that begin
-        with them (engine/prefix_cache.py: a row of saved GDN state each, a slot's size, and their pages, given
-        back least recently used first when pages run short); None = max_slots; 0 = off.
+    prefix_cache: prompts (of at least 64 tokens), and the branch points where prompts sharing a beginning part,
+        whose state the prefix cache keeps for later prompts that begin with them (engine/prefix_cache.py: a row of
+        saved GDN state each, a slot's size, and their pages, given back least recently used first when pages run
+        short); None = max_slots; 0 = off.
     page_size: token positions per page of K/V (target attention and drafter context).
     kv_cache_memory: bytes of the page pool; None = 2 GiB on CPU, and on CUDA `gpu_memory_utilization`
         of the device less what weights, slot state, CUDA graphs and activations take.

@@ -13,7 +13,8 @@ is set; `idle_prefill_tokens` when nothing decodes (a prompt arriving at an idle
 stream, and larger chunks prefill it faster). A request whose prompt another sequence is prefilling waits
 for it and is forked from it in the step that completes the prompt (engine/shares.py); one whose prompt begins
 with a prompt the prefix cache keeps starts from its state and prefills only the rest, and the state of each
-prompt a step completes is kept (engine/prefix_cache.py). A preempted sequence
+prompt a step completes is kept, and of each branch point a prefill reaches (engine/prefix_cache.py: a prompt
+sharing a long beginning with a kept one stops its prefill where they part, once). A preempted sequence
 gives back its slot and pages and waits at the head of the queue; when readmitted, its prompt and generated
 tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -33,7 +34,7 @@ from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
                                       prefill_shapes, prefill_tile)
-from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache
+from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache, branch_point
 from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
@@ -86,7 +87,8 @@ class Restore:
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
-    """The state of `seq`'s slot after this step's prefill (its whole prompt) is saved to row `row`."""
+    """The state of `seq`'s slot after this step's prefill (its whole prompt, or up to its branch point) is saved
+    to row `row`."""
 
     seq: Sequence
     row: int
@@ -154,6 +156,7 @@ class Scheduler:
         self._cancels = 0  # abort calls since the last plan (none: no sequence to look for)
         self.shares = PromptShares()  # who waits to fork from whom (config.share_prompts)
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
+        self._branches: dict[str, int] = {}  # request id -> the branch point its prefill stops at (prefix_cache.py)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -181,6 +184,7 @@ class Scheduler:
         self.shares.forget(seq)
 
     def _free(self, seq: Sequence) -> None:
+        self._branches.pop(seq.request_id, None)
         if seq.slot >= 0:
             self.pages.release(seq.slot)
             self._released.append(seq.slot)
@@ -196,7 +200,7 @@ class Scheduler:
             seq = self.waiting[0]
             if self._follows(seq):
                 break  # it forks when its leader's prompt is done (_forks)
-            kept = self._kept_prefix(seq)
+            kept, branch = self._kept_prefix(seq)
             start = len(kept.tokens) if kept is not None else 0  # positions the kept prompt's pages hold
             need = pages_for(seq.prefill_len, size) - start // size
             while need > self.pages.num_free - (self.watermark if self.running else 0) and self._evict(kept):
@@ -205,6 +209,8 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, start
+            if branch:
+                self._branches[seq.request_id] = branch
             if kept is not None:
                 grants += self.pages.adopt(seq.slot, kept.pages[:start // size])
             grants += self.pages.grow(seq.slot, seq.prefill_len)
@@ -225,12 +231,14 @@ class Scheduler:
                         restores=tuple(restores), snapshots=tuple(self._snapshots(prefill)),
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
 
-    def _kept_prefix(self, seq: Sequence) -> CachedPrompt | None:
-        """The longest prompt the prefix cache keeps that `seq`'s tokens to prefill begin with (none for a
-        request scoring its prompt: every row of it is needed)."""
+    def _kept_prefix(self, seq: Sequence) -> tuple[CachedPrompt | None, int]:
+        """(the longest prompt the prefix cache keeps that `seq`'s tokens to prefill begin with, or None; the
+        branch point its prefill stops at to keep the state there, or 0) - neither for a request scoring its
+        prompt: every row of it is needed."""
         if self.prefix is None or not self.prefix.entries or seq.params.prompt_logprobs is not None:
-            return None
-        return self.prefix.longest(seq.prefill_array(0, seq.prefill_len))
+            return None, 0
+        kept, shared = self.prefix.match(seq.prefill_array(0, seq.prefill_len))
+        return kept, branch_point(shared, len(kept.tokens) if kept is not None else 0, seq.prefill_len)
 
     def _evict(self, keep: CachedPrompt | None = None) -> bool:
         """Drop the least recently used kept prompt but `keep`, its pages given back; False when none is left."""
@@ -245,24 +253,29 @@ class Scheduler:
             pass
 
     def _snapshots(self, chunks: tuple[PrefillChunk, ...]) -> list[Snapshot]:
-        """The prompts of at least MIN_TOKENS tokens the `chunks` complete, kept from this step on: a row of saved
-        state each (the least recently used entry evicted when none is free) and their pages held. A prompt kept
-        already is only marked used."""
+        """The prompts of at least MIN_TOKENS tokens the `chunks` complete, and the branch points they reach, kept
+        from this step on: a row of saved state each (the least recently used entry evicted when none is free)
+        and their pages held. Tokens kept already are only marked used."""
         if self.prefix is None:
             return []
         snapshots = []
         for chunk in chunks:
-            seq = chunk.seq
-            if not chunk.emits or len(seq.prompt_ids) < MIN_TOKENS:
+            seq, end = chunk.seq, chunk.start + len(chunk.tokens)
+            if end == self._branches.get(seq.request_id):
+                del self._branches[seq.request_id]
+                tokens = seq.prefill_array(0, end)
+            elif chunk.emits and len(seq.prompt_ids) >= MIN_TOKENS:
+                tokens = seq.prompt_array
+            else:
                 continue
-            kept = self.prefix.kept(seq.prompt_array)
+            kept = self.prefix.kept(tokens)
             if kept is not None:
                 self.prefix.touch(kept)
                 continue
-            pages = self.pages.held[seq.slot][:pages_for(len(seq.prompt_ids), self.config.page_size)]
-            entry = self.prefix.add(seq.prompt_array, pages)
+            pages = self.pages.held[seq.slot][:pages_for(len(tokens), self.config.page_size)]
+            entry = self.prefix.add(tokens, pages)
             if entry is None and self._evict():
-                entry = self.prefix.add(seq.prompt_array, pages)
+                entry = self.prefix.add(tokens, pages)
             self.pages.hold(pages)
             snapshots.append(Snapshot(seq, entry.row))
         return snapshots
@@ -459,15 +472,21 @@ class Scheduler:
         for seq in waiting[:lanes]:
             if budget <= 0:
                 break
-            n = min(seq.prompt_left, budget, rows)
-            if seq.prompt_left - n <= slack and prefill_tile(seq.prompt_left) == prefill_tile(n):
-                n = seq.prompt_left  # (not where the whole would need a longer graph shape than the cut)
-            elif fill and n < seq.prompt_left and prefill_tile(n) <= self.config.round_prefill_tokens and \
+            left = self._left(seq)
+            n = min(left, budget, rows)
+            if left - n <= slack and prefill_tile(left) == prefill_tile(n):
+                n = left  # (not where the whole would need a longer graph shape than the cut)
+            elif fill and n < left and prefill_tile(n) <= self.config.round_prefill_tokens and \
                     pads_within_reason(len(lens) + 1, prefill_tile(max(lens + [n])), sum(lens) + n):
-                n = min(seq.prompt_left, prefill_tile(n))
+                n = min(left, prefill_tile(n))
             lens.append(n)
             budget -= n
         return lens
+
+    def _left(self, seq: Sequence) -> int:
+        """The tokens `seq`'s next prefill chunk may take: up to its branch point first (prefix_cache.py)."""
+        branch = self._branches.get(seq.request_id, 0)
+        return (branch if branch > seq.num_prefilled else seq.prefill_len) - seq.num_prefilled
 
     def _graph_fit(self, waiting: list[Sequence], budget: int, slack: int = 0, fill: bool = False) -> tuple[int, int]:
         """(most rows per chunk, most chunks) of a step prefilling the `waiting` prompts with prefill graphs.

@@ -12,8 +12,8 @@ free slot or pages, or a request ahead of it still waiting) goes on alone and pr
 the first of the leader's followers left leads the others.
 
 Only a prompt's own samples share it: a follower asking for prompt logprobs follows a leader asking for
-the same number (its own are a copy of the leader's). Prefix sharing between different prompts is not
-done (a GDN layer's state would be needed at the end of the common prefix).
+the same number (its own are a copy of the leader's). Different prompts with a common beginning share it
+through the prefix cache (engine/prefix_cache.py: branch points), once one of them has finished its prefill.
 """
 
 from __future__ import annotations

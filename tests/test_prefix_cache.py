@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deltaflash.core.request import SamplingParams
-from deltaflash.engine import prefix_cache, scheduler
+from deltaflash.engine import prefix_cache
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.prefix_cache import PrefixCache, branch_point
+from deltaflash.engine.prefix_cache import PrefixCache
 from deltaflash.errors import DeltaflashError
 from tests.spec_pairs import engine_for, make_pair, prompts, run_cancelling
 from tests.test_pages import page_bytes
@@ -82,22 +82,27 @@ def test_prompts_sharing_a_beginning_meet_at_its_branch_point(pair, speculative)
 
 
 def test_a_branch_point_is_made_once_and_only_where_it_pays():
+    """The cache's lookups by block keys (blocks of 64 tokens) and its branch points."""
     cache = PrefixCache(rows=4)
     a = np.arange(300, dtype=np.int64)
     cache.add(a, [])
     b = np.concatenate([a[:290], np.full(20, 999)])
     kept, shared = cache.match(b)
-    assert kept is None and shared == 290 and branch_point(shared, 0, len(b)) == 256
+    assert kept is None and shared == 256 and cache.branch_point(shared, 0, len(b)) == 256  # 4 whole blocks shared
     cache.add(b[:256], [])
     kept, shared = cache.match(b)
-    assert len(kept.tokens) == 256 and shared == 290 and branch_point(shared, 256, len(b)) == 0
-    assert branch_point(255, 0, 400) == 0 and branch_point(256, 0, 400) == 256  # too few tokens skipped
-    assert branch_point(400, 0, 400) == 384  # an exact repeat: short of the last token
-    assert branch_point(1000, 320, 700) == 640 and branch_point(575, 320, 700) == 0
-    assert cache.match(a[:63]) == (None, 0)  # shorter than any kept prompt's lookup key
-    assert cache.kept(b[:256]) is not None and cache.kept(b[:257]) is None
-    cache.evict()  # a, the least recently used
-    assert cache.match(a) == (cache.entries[0], 256) and cache.kept(a) is None
+    assert len(kept.tokens) == 256 and shared == 256 and cache.branch_point(shared, 256, len(b)) == 0
+    assert cache.match(a)[0] is kept and cache.match(a[:256])[0] is None  # (not past it: one token is left to prefill)
+    assert cache.match(np.concatenate([a[:200], np.full(100, 555)])) == (None, 192)
+    assert cache.match(a[:63]) == (None, 0) and cache.match(a[1:]) == (None, 0)
+    assert cache.branch_point(255, 0, 400) == 0 and cache.branch_point(256, 0, 400) == 256  # too few tokens skipped
+    assert cache.branch_point(384, 0, 384) == 320  # an exact repeat: short of the last token
+    assert cache.branch_point(1024, 320, 700) == 640 and cache.branch_point(575, 320, 700) == 0
+    assert cache.kept(b[:256]) is kept and cache.kept(b[:257]) is None and cache.kept(a) is not None
+    assert cache.evict(keep=cache.kept(a)) is kept  # the least recently used but the one kept
+    assert cache.match(b) == (None, 256) and cache.kept(b[:256]) is None
+    cache.evict()
+    assert cache.match(b) == (None, 0) and not cache._blocks and not cache._ends
 
 
 def small_branch_points(monkeypatch) -> list[int]:
@@ -106,12 +111,13 @@ def small_branch_points(monkeypatch) -> list[int]:
     monkeypatch.setattr(prefix_cache, "BRANCH_MIN_TOKENS", 8)
     monkeypatch.setattr(prefix_cache, "BRANCH_ALIGN", 4)
     made = []
+    branch_point = PrefixCache.branch_point
 
-    def spy(shared: int, start: int, total: int) -> int:
-        point = branch_point(shared, start, total)
+    def spy(cache: PrefixCache, shared: int, start: int, total: int) -> int:
+        point = branch_point(cache, shared, start, total)
         made.extend([point] if point else [])
         return point
-    monkeypatch.setattr(scheduler, "branch_point", spy)
+    monkeypatch.setattr(PrefixCache, "branch_point", spy)
     return made
 
 

@@ -34,7 +34,7 @@ from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
                                       prefill_shapes, prefill_tile)
-from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache, branch_point
+from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache
 from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
@@ -238,7 +238,7 @@ class Scheduler:
         if self.prefix is None or not self.prefix.entries or seq.params.prompt_logprobs is not None:
             return None, 0
         kept, shared = self.prefix.match(seq.prefill_array(0, seq.prefill_len))
-        return kept, branch_point(shared, len(kept.tokens) if kept is not None else 0, seq.prefill_len)
+        return kept, self.prefix.branch_point(shared, len(kept.tokens) if kept is not None else 0, seq.prefill_len)
 
     def _evict(self, keep: CachedPrompt | None = None) -> bool:
         """Drop the least recently used kept prompt but `keep`, its pages given back; False when none is left."""

@@ -81,6 +81,24 @@ def test_prompts_sharing_a_beginning_meet_at_its_branch_point(pair, speculative)
     assert drained(cached)
 
 
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])
+def test_a_burst_of_prompts_sharing_a_beginning_prefills_it_once(pair, speculative):
+    """Four questions after one 300-token system prompt added at once, nothing kept yet: the first prompt's prefill
+    stops at 256 for the others, which wait for that state and start from it (in one step together). A fifth, on
+    another beginning, waits behind them. Outputs equal an engine without the cache."""
+    draft = pair[1] if speculative else None
+    system, *rest = prompts(VOCAB, [300, 20, 30, 25, 40, 290], seed=16)
+    batch = [system + q for q in rest[:4]] + [rest[4]]
+    config = dict(max_model_len=512, max_num_batched_tokens=512, idle_prefill_tokens=512)
+    cached, plain = engine_for(pair[0], draft, **config), engine_for(pair[0], draft, prefix_cache=0, **config)
+    sampling = [params(i) for i in range(len(batch))]
+    assert [c.token_ids for c in cached.generate(batch, sampling)[0]] == \
+        [c.token_ids for c in plain.generate(batch, sampling)[0]]
+    assert cached.stats["cached_prompt_tokens"] == 3 * 256
+    assert cached.stats["prefill_tokens"] == sum(len(p) for p in batch) - 3 * 256
+    assert kept_lengths(cached) == sorted([256, 290] + [len(p) for p in batch[:4]]) and drained(cached)
+
+
 def test_a_branch_point_is_made_once_and_only_where_it_pays():
     """The cache's lookups by block keys (blocks of 64 tokens) and its branch points."""
     cache = PrefixCache(rows=4)

@@ -15,7 +15,9 @@ The second of them makes that point one: a request whose prompt shares at least 
 with a kept prompt than the kept prompt it starts from (if any) prefills up to its *branch point* - the shared
 tokens, down to a multiple of `BRANCH_ALIGN` and short of its last token - in a chunk of its own, and the state
 there is kept like a prompt's (Scheduler._snapshots). Every later prompt with that beginning starts from it. The
-price, a chunk boundary in one prefill, is paid once per beginning.
+price, a chunk boundary in one prefill, is paid once per beginning. Where the other prompt is still being
+prefilled and not past that point (a burst of questions after one system prompt), it is the one that stops there,
+and the request waits for that state (Scheduler._awaits_branch): the beginning is prefilled once.
 
 Kept prompts are found by the keys of their blocks of BRANCH_ALIGN tokens (a hash chained over them): a lookup
 hashes the blocks a prompt shares with kept ones and compares it with the few kept prompts that end there, not
@@ -151,3 +153,10 @@ class PrefixCache:
         or more for the prompts after it; else 0 (no branch point)."""
         point = min(shared, total - 1) // self.block * self.block
         return point if point - start >= BRANCH_MIN_TOKENS else 0
+
+
+def shared_tokens(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n

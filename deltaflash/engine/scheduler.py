@@ -14,7 +14,8 @@ stream, and larger chunks prefill it faster). A request whose prompt another seq
 for it and is forked from it in the step that completes the prompt (engine/shares.py); one whose prompt begins
 with a prompt the prefix cache keeps starts from its state and prefills only the rest, and the state of each
 prompt a step completes is kept, and of each branch point a prefill reaches (engine/prefix_cache.py: a prompt
-sharing a long beginning with a kept one stops its prefill where they part, once). A preempted sequence
+sharing a long beginning with a kept one stops its prefill where they part, once; one sharing it with a prompt
+being prefilled waits for that prefill to stop there). A preempted sequence
 gives back its slot and pages and waits at the head of the queue; when readmitted, its prompt and generated
 tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -34,7 +35,7 @@ from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
                                       prefill_shapes, prefill_tile)
-from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache
+from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache, shared_tokens
 from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
 
@@ -202,6 +203,8 @@ class Scheduler:
                 break  # it forks when its leader's prompt is done (_forks)
             kept, branch = self._kept_prefix(seq)
             start = len(kept.tokens) if kept is not None else 0  # positions the kept prompt's pages hold
+            if self._awaits_branch(seq, start):
+                break  # it starts where a prompt prefilling now stops for it
             need = pages_for(seq.prefill_len, size) - start // size
             while need > self.pages.num_free - (self.watermark if self.running else 0) and self._evict(kept):
                 pass
@@ -239,6 +242,23 @@ class Scheduler:
             return None, 0
         kept, shared = self.prefix.match(seq.prefill_array(0, seq.prefill_len))
         return kept, self.prefix.branch_point(shared, len(kept.tokens) if kept is not None else 0, seq.prefill_len)
+
+    def _awaits_branch(self, seq: Sequence, start: int) -> bool:
+        """Whether `seq` (the head of the queue, able to start from a kept prompt of `start` tokens) waits for a
+        prompt being prefilled to reach the end of the beginning they share, to start from there: where that
+        skips BRANCH_MIN_TOKENS more (PrefixCache.branch_point) and the other prefill is not past that point,
+        it stops there (its branch point, unless it has another) and its state is kept - a burst of questions
+        after one system prompt prefills the system prompt once."""
+        if self.prefix is None or seq.params.prompt_logprobs is not None:
+            return False
+        tokens = seq.prefill_array(0, seq.prefill_len)
+        for other in self.running.values():
+            if other.status is Status.PREFILLING:
+                point = self.prefix.branch_point(shared_tokens(tokens, other.prefill_array(0, other.prefill_len)),
+                                                 start, len(tokens))
+                if other.num_prefilled < point and self._branches.setdefault(other.request_id, point) == point:
+                    return True
+        return False
 
     def _evict(self, keep: CachedPrompt | None = None) -> bool:
         """Drop the least recently used kept prompt but `keep`, its pages given back; False when none is left."""

@@ -9,7 +9,7 @@
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks graphlaunch9b gemmgraphs swiglu
-# tunefla ttfttable demodefault forks turns system (bench/h200_owed.sh runs the figures the issues still owe, in three calls)
+# tunefla ttfttable demodefault forks turns system burst (bench/h200_owed.sh runs the figures the issues still owe, in three calls)
 # (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
@@ -76,6 +76,8 @@ for step in "$@"; do
                    ls -la "$OUT"/triton-cache.tgz.part-* | tee -a "$LOG" ;;
         invariance) run invariance 150 python3 bench/batch_invariance.py ;;
         forks) run forks 300 python3 bench/prompt_forks.py ${FORKS_ARGS:-} ;;  # n samples of one prompt, shared or not
+        burst) run burst 300 python3 bench/prompt_forks.py --questions 128 ${FORKS_ARGS:-} ;;  # n questions after one
+               # system prompt at once: the prefix cache (the first prefill stops at the branch point) or not
         turns) run turns 300 python3 bench/prefix_turns.py ${TURNS_ARGS:-} ;;  # an agent's turns, prefix cache or not
         system) run system 300 python3 bench/prefix_turns.py --system ${TURNS_ARGS:-} ;;  # questions after one
                 # system prompt: the prefix cache's branch point, or not

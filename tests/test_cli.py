@@ -208,8 +208,11 @@ def test_bench_e2e_takes_the_engine_flags_of_serve():
     assert (config.max_slots, config.max_prefill_stall, config.idle_prefill_tokens, config.skinny_gemm) == \
         (4, 2.0, 100, "off")
     assert speculation_config(args)["round_graphs"] is False and speculation_config(args)["tree_max_lanes"] == 3
-    # its points reuse prompts, which would fork from each other's prefill: off unless asked for
+    # its points reuse prompts, which would fork from each other's prefill or start from the prefix cache: off
+    # unless asked for
     assert not config.share_prompts and _engine_config(parser.parse_args(["bench", "e2e", "--share-prompts"]), 4).share_prompts
+    assert config.prefix_cache == 0 and _engine_config(parser.parse_args(["bench", "e2e", "--prefix-cache", "3"]),
+                                                       4).prefix_cache == 3
     bad = parser.parse_args(["bench", "e2e", "--max-prefill-stall", "-1"])
     with pytest.raises(DeltaflashError, match="--max-prefill-stall must be >= 0"):
         bad.func(bad)

@@ -447,8 +447,9 @@ def register(sub) -> None:
     add_kernel_args(p)
     add_scheduler_args(p)
     # a point serves max(prompts, C) requests, reusing prompts: at C = 64 and 32 prompts each would be in flight
-    # twice and half of them would fork from the other's prefill, which clients sending their own prompts pay
-    p.set_defaults(share_prompts=False)
+    # twice and half of them would fork from the other's prefill, and a prompt seen before would start from the
+    # prefix cache's branch point short of its end, which clients sending their own prompts pay
+    p.set_defaults(share_prompts=False, prefix_cache=0)
     p.add_argument("--prompt-lines", type=int, default=12, help="demo: lines of each held-out file in its prompt")
     p.add_argument("--corrupt", type=float, default=0.1, help="scripted: fraction of drafted tokens replaced")
     p.add_argument("--tau", type=float, default=None, help="scripted: pick --corrupt for this expected accepted length")

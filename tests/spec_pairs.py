@@ -103,12 +103,13 @@ def assert_greedy_equal(target_dir, batch, got, want, margin: float = 1e-3, **co
         assert abs(top[a[i]] - top[b[i]]) < margin, f"token {i}: {a[i]} vs {b[i]} is no near-tie: {top}"
 
 
-def run_cancelling(engine, ids: list[str], every: int) -> None:
+def run_cancelling(engine, ids: list[str], every: int, check=lambda: None) -> None:
     """Step the engine until it has no work, cancelling one of the requests `ids` every `every` steps (waiting,
-    prefilling and decoding ones alike, by a fixed stride)."""
+    prefilling and decoding ones alike, by a fixed stride); `check()` after each step."""
     steps = 0
     while engine.has_work():
         engine.step()
+        check()
         steps += 1
         if steps % every == 0:
             engine.abort(ids[(steps * 7) % len(ids)])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from deltaflash.cache.pages import PageAllocator
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine import prefix_cache
 from deltaflash.engine.config import EngineConfig
@@ -36,9 +37,20 @@ def one_by_one(engine, batch, new: int = 12, **extra):
 
 
 def drained(engine) -> bool:
+    """No page held by anybody once the prefix cache is cleared (and no sequence held one before)."""
+    assert engine.page_usage[0] == 0  # (pages only the cache holds are not in use)
     engine.scheduler.clear_prefix_cache()
     s = engine.scheduler
-    return s.pages.num_free == s.pages.num_pages and not s.pages._holders and s.slots.num_free == engine.config.max_slots
+    return s.pages.num_free == s.pages.num_pages and not s.pages._holders and not s.pages._kept \
+        and s.pages.num_kept_only == 0 and s.slots.num_free == engine.config.max_slots
+
+
+def check_pages_in_use(engine) -> None:
+    """The pages in use (Engine.page_usage) are those the slots hold; the others taken are the kept prompts'."""
+    pages = engine.scheduler.pages
+    by_slots = set().union(*pages.held)
+    kept = set().union(*(e.pages for e in engine.scheduler.prefix.entries))
+    assert engine.page_usage[0] == len(by_slots) and pages.num_used == len(by_slots | kept)
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])
@@ -121,6 +133,21 @@ def test_a_branch_point_is_made_once_and_only_where_it_pays():
     assert cache.match(b) == (None, 256) and cache.kept(b[:256]) is None
     cache.evict()
     assert cache.match(b) == (None, 0) and not cache._blocks and not cache._ends
+
+
+def test_pages_only_kept_prompts_hold_are_not_in_use():
+    pages = PageAllocator(8, 4, 2)
+    pages.grow(0, 12)  # pages 0, 1, 2
+    pages.keep([0, 1])
+    assert (pages.num_used, pages.num_in_use) == (3, 3)
+    assert pages.release(0) == 1 and (pages.num_used, pages.num_in_use) == (2, 0)
+    pages.adopt(1, [0])  # a restore
+    pages.keep([0, 1])  # a second kept prompt on the same pages
+    assert (pages.num_used, pages.num_in_use) == (2, 1)
+    assert pages.unkeep([0, 1]) == 0 and (pages.num_used, pages.num_in_use) == (2, 1)
+    assert pages.release(1) == 0 and (pages.num_used, pages.num_in_use) == (2, 0)
+    assert pages.unkeep([0, 1]) == 2 and pages.num_free == 8 and pages.num_kept_only == 0
+    assert not pages._holders and not pages._kept
 
 
 def small_branch_points(monkeypatch) -> list[int]:
@@ -249,7 +276,7 @@ def test_many_requests_over_kept_prompts_cancelled_and_preempted_leave_only_the_
         ids.append(engine.add_request(root + tail, SamplingParams(max_new_tokens=int(torch.randint(1, 16, (),
                                                                                                    generator=g)),
                                                                   ignore_eos=True)))
-    run_cancelling(engine, ids, every=4)
+    run_cancelling(engine, ids, every=4, check=lambda: check_pages_in_use(engine))
     assert engine.stats["cached_prompt_tokens"] > 0 and engine.stats["preemptions"] > 0
     assert bool(made) == branches
     assert drained(engine)

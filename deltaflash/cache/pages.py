@@ -6,7 +6,9 @@ engine alike (the target's K/V and the drafter's context): one allocator, one bl
   position order. Pages are taken as a sequence grows and given back when it retires or is preempted. A
   sequence forked from another after their common prompt (engine/shares.py) holds the prompt's whole pages
   with it, read only - every write lands at or past a sequence's committed length - counted per holder; a
-  shared page is free again when its last holder gives it back.
+  shared page is free again when its last holder gives it back. The prefix cache holds the pages of the
+  prompts it keeps the same way (`keep` / `unkeep`), counted apart: pages only it holds are not in use by any
+  sequence (`num_in_use`), and it gives them back before anybody waits for pages.
 - `BlockTables` (device): the slots' tables `[S + 1, max_pages]` int32, read by every forward to find a
   position's storage row; row S serves padding lanes and page `num_pages` is the sink that padding
   writes land in, so every write is unconditional (CUDA-graph friendly).
@@ -56,7 +58,9 @@ class PageAllocator:
         self._fresh = 0                 # pages _fresh.. have never been handed out
         self._returned: list[int] = []  # pages given back, reused first
         self.held: list[list[int]] = [[] for _ in range(num_slots)]
-        self._holders: dict[int, int] = {}  # page -> slots holding it, for pages held by more than one
+        self._holders: dict[int, int] = {}  # page -> its holders (slots, kept prompts), where more than one
+        self._kept: dict[int, int] = {}  # page -> kept prompts holding it (keep), where any
+        self.num_kept_only = 0  # pages held by kept prompts alone
 
     @property
     def num_free(self) -> int:
@@ -65,6 +69,11 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - self.num_free
+
+    @property
+    def num_in_use(self) -> int:
+        """Pages some sequence holds (num_used but those only kept prompts hold)."""
+        return self.num_used - self.num_kept_only
 
     def missing(self, slot: int, tokens: int) -> int:
         """Pages `slot` must still take to hold positions 0..tokens-1."""
@@ -111,7 +120,15 @@ class PageAllocator:
     def hold(self, pages: list[int]) -> None:
         """One more holder of each of `pages` (held already); `give_back` ends it."""
         for page in pages:
+            holders = self._holders.get(page, 1)
+            self.num_kept_only -= holders == self._kept.get(page, 0)  # (kept prompts held it alone)
+            self._holders[page] = holders + 1
+
+    def keep(self, pages: list[int]) -> None:
+        """A kept prompt (the prefix cache's) holds `pages` too (held already); `unkeep` ends it."""
+        for page in pages:
             self._holders[page] = self._holders.get(page, 1) + 1
+            self._kept[page] = self._kept.get(page, 0) + 1
 
     def release(self, slot: int) -> int:
         """Give back every page of `slot` (retirement, cancellation, preemption); returns how many are free
@@ -122,18 +139,29 @@ class PageAllocator:
     def give_back(self, pages: list[int]) -> int:
         """One holder lets `pages` go; those nobody holds any more are free again (returns how many)."""
         if self._holders:
-            pages = [page for page in pages if not self._unshare(page)]
+            pages = [page for page in pages if self._let_go(page, kept=False)]
         self._returned.extend(reversed(pages))
         return len(pages)
 
-    def _unshare(self, page: int) -> bool:
-        """One holder of `page` lets it go; whether another still holds it."""
-        holders = self._holders.get(page, 1) - 1
+    def unkeep(self, pages: list[int]) -> int:
+        """A kept prompt lets `pages` go; those nobody holds any more are free again (returns how many)."""
+        pages = [page for page in pages if self._let_go(page, kept=True)]
+        self._returned.extend(reversed(pages))
+        return len(pages)
+
+    def _let_go(self, page: int, kept: bool) -> bool:
+        """One holder of `page` (a kept prompt if `kept`) lets it go; whether the page is free now."""
+        holders = self._holders.pop(page, 1) - 1
         if holders > 1:
             self._holders[page] = holders
+        others_kept = self._kept.pop(page, 0) - kept
+        if others_kept:
+            self._kept[page] = others_kept
+        if kept:
+            self.num_kept_only -= holders == 0  # (a kept prompt held it alone)
         else:
-            self._holders.pop(page, None)
-        return holders > 0
+            self.num_kept_only += 0 < holders == others_kept  # kept prompts alone hold it now
+        return holders == 0
 
 
 class BlockTables:

@@ -152,8 +152,9 @@ class Engine:
 
     @property
     def page_usage(self) -> tuple[int, int]:
-        """(pages held by sequences, pages in the pool)."""
-        return self.scheduler.pages.num_used, self.scheduler.pages.num_pages
+        """(pages held by sequences - not those only the prefix cache keeps: it gives them back before anybody waits
+        for pages -, pages in the pool)."""
+        return self.scheduler.pages.num_in_use, self.scheduler.pages.num_pages
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),

@@ -264,7 +264,7 @@ class Scheduler:
         """Drop the least recently used kept prompt but `keep`, its pages given back; False when none is left."""
         entry = self.prefix.evict(keep) if self.prefix is not None else None
         if entry is not None:
-            self.pages.give_back(entry.pages)
+            self.pages.unkeep(entry.pages)
         return entry is not None
 
     def clear_prefix_cache(self) -> None:
@@ -296,7 +296,7 @@ class Scheduler:
             entry = self.prefix.add(tokens, pages)
             if entry is None and self._evict():
                 entry = self.prefix.add(tokens, pages)
-            self.pages.hold(pages)
+            self.pages.keep(pages)
             snapshots.append(Snapshot(seq, entry.row))
         return snapshots
 

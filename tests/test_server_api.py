@@ -369,22 +369,28 @@ def test_the_samples_of_one_prompt_share_its_prefill(server):
                                                                      phase="prefill")]
     assert [a - b for a, b in zip(after, before)] == [10, 15, 3, 1]
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 18 and len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # (the prompt, counted once, was prefilled)
 
 
 def test_a_prompt_that_begins_with_an_earlier_one_starts_from_its_state(server):
     """The prefix cache over HTTP: a 70-token prompt, then the same prompt and 6 more tokens (an agent's
     next turn): the second prefills 6 tokens, the first 70 come from the cache (its outputs against a
-    prefill of the whole prompt: tests/test_prefix_cache.py)."""
+    prefill of the whole prompt: tests/test_prefix_cache.py), and its usage says so, as OpenAI's prompt
+    caching does - in a body and in a stream's usage chunk."""
     server.wait_idle()
     first = [3 + (i * 7) % 250 for i in range(70)]
     body = dict(model="tiny", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
-    client(server).completions.create(prompt=first, **body)
+    alone = client(server).completions.create(prompt=first, **body)
     server.wait_idle()
     before = server.metric("deltaflash_prefix_cache_hit_tokens_total")
     turn = client(server).completions.create(prompt=first + [5, 6, 7, 8, 9, 10], **body)
     server.wait_idle()
     assert server.metric("deltaflash_prefix_cache_hit_tokens_total") - before == 70
     assert turn.choices[0].text
+    assert (alone.usage.prompt_tokens_details.cached_tokens, turn.usage.prompt_tokens_details.cached_tokens) == (0, 70)
+    chunks = list(client(server).completions.create(prompt=first + [5, 6, 7, 8, 9, 10, 11], stream=True,
+                                                    stream_options={"include_usage": True}, **body))
+    assert chunks[-1].usage.prompt_tokens == 77 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 76
 
 
 def test_unknown_fields_are_ignored_and_logged_once(server):

@@ -148,6 +148,9 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # per generated token (TokenLogprob), when params.logprobs is set
     prompt_logprobs: list = field(default_factory=list)  # per prompt token from the second on, when asked for
     preemptions: int = 0     # times its slot and pages were taken back to make room (it was recomputed)
+    # prompt tokens its last admission did not prefill: it started from a kept prompt's state (the prefix cache)
+    # or forked from a sequence prefilling its prompt
+    cached_tokens: int = 0
     widths: list[int] = field(default_factory=list)  # rows it verified, per round it took part in
     # load-adaptive speculation (speculative/policy.py): decayed tries and hits of each draft position,
     # and the rounds since it last drafted
@@ -212,15 +215,16 @@ class TokenLogprob:
 
 class StepEvent(NamedTuple):
     """Tokens a step produced for one request (and their logprobs, when asked for); `finish_reason`
-    set on its last event; `prompt_logprobs` (when asked for) on the event that ends its prompt's prefill,
-    one per prompt token from the second on. A named tuple: a step builds one per lane, and a frozen dataclass costs
-    five times as much to build."""
+    set on its last event; `prompt_logprobs` (when asked for) and `cached_tokens` (Sequence.cached_tokens) on the
+    event that ends its prompt's prefill, the former one per prompt token from the second on. A named tuple: a
+    step builds one per lane, and a frozen dataclass costs five times as much to build."""
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

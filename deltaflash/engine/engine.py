@@ -299,7 +299,7 @@ class Engine:
     # ---- output and retirement ----------------------------------------------------------
     def _first(self, seq: Sequence, first: tuple, events: list[StepEvent]) -> None:
         """A sequence's first token (and its logprobs), sampled from its prompt's last row; the prompt
-        logprobs go with its first event."""
+        logprobs and the prompt tokens it did not prefill go with its first event."""
         seq.draws += 1
         if seq.params.max_new_tokens:
             self._emit(seq, *first, events)
@@ -308,6 +308,8 @@ class Engine:
             events.append(StepEvent(seq.request_id, (), "length"))
         if seq.params.prompt_logprobs is not None:  # with the first event, once
             events[-1] = events[-1]._replace(prompt_logprobs=tuple(seq.prompt_logprobs))
+        if seq.cached_tokens:
+            events[-1] = events[-1]._replace(cached_tokens=seq.cached_tokens)
 
     def _emit(self, seq: Sequence, tokens: tuple[int, ...], logprobs, events: list[StepEvent]) -> None:
         """Append new tokens (and their logprobs when the request asked), cutting at a stop token or

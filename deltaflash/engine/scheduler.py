@@ -212,6 +212,7 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, start
+            seq.cached_tokens = start
             if branch:
                 self._branches[seq.request_id] = branch
             if kept is not None:
@@ -331,6 +332,7 @@ class Scheduler:
             self.waiting.popleft()
             self.shares.forget(seq)
             seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, n
+            seq.cached_tokens = n
             grants += self.pages.share(leader.slot, seq.slot, whole) + self.pages.grow(seq.slot, n)
             page = (self.pages.held[leader.slot][whole], self.pages.held[seq.slot][whole]) if n % size else None
             self.running[seq.request_id] = seq

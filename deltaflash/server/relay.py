@@ -42,6 +42,7 @@ class _Progress:
     prompt_logprobs: tuple[TextLogprob, ...] = ()  # its prompt's, when scored
     text_offset: int = 0          # summed length of the token texts of its logprobs so far
     completion_tokens: int = 0
+    cached_tokens: int = 0  # its prompt's tokens the engine did not prefill for it
     finish_reason: str | None = None  # "tool_calls" when it stopped after a call
 
     def add(self, out: Output) -> tuple[str, list[CallDelta], tuple[TextLogprob, ...], str]:
@@ -68,6 +69,7 @@ class _Progress:
         self.logprobs.extend(logprobs)
         self.text_offset += sum(len(e.token) for e in logprobs)
         self.completion_tokens = out.completion_tokens
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         self.finish_reason = out.finish_reason and finish_reason(out.finish_reason, len(self.calls))
         return text, calls, logprobs, reasoning
 
@@ -77,6 +79,12 @@ class _Progress:
                       tuple(self.logprobs), self.finish_reason, prompt_ids, tuple(c.message() for c in self.calls),
                       self.prompt_logprobs,
                       "".join(self.reasoning) if self.thinking is not None and self.shows_reasoning else None)
+
+
+def _cached(progress: list[_Progress], n: int) -> int:
+    """The request's cached prompt tokens: each prompt's (counted once, as usage counts prompt tokens) those its
+    choices all had: where its n choices forked from one of them, that one's."""
+    return sum(min(p.cached_tokens for p in progress[i:i + n]) for i in range(0, len(progress), n))
 
 
 def _progress(choices: int, fmt: Formatter, tools: ToolRequest | None, echo: tuple[str, ...] | None, n: int,
@@ -116,7 +124,7 @@ async def stream(outputs: asyncio.Queue, fmt: Formatter, choices: int, prompt_to
             if out.finish_reason is not None:
                 finished += 1
         if finished == choices and include_usage:
-            yield sse(fmt.usage_chunk(prompt_tokens, sum(p.completion_tokens for p in progress)))
+            yield sse(fmt.usage_chunk(prompt_tokens, sum(p.completion_tokens for p in progress), _cached(progress, n)))
         yield DONE
     finally:
         if finished < choices:
@@ -148,7 +156,7 @@ async def collect(outputs: asyncio.Queue, fmt: Formatter, prompts: tuple[tuple[i
                 finished += 1
         choices = [p.choice(i, prompts[i // n]) for i, p in enumerate(progress)]
         return JSONResponse(fmt.body(choices, sum(len(p) for p in prompts),
-                                     sum(p.completion_tokens for p in progress)))
+                                     sum(p.completion_tokens for p in progress), _cached(progress, n)))
     finally:
         gone.cancel()
         if finished < len(progress):

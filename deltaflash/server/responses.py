@@ -16,9 +16,11 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache (or shared with another
+    request's prefill), as OpenAI's prompt caching reports them."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Formatter:
     prompt_logprobs: int | None = None
     include_reasoning: bool = True
 
-    def body(self, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int) -> dict:
+    def body(self, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         out = []
         for c in choices:
             if self.chat:
@@ -87,7 +89,7 @@ class Formatter:
             if self.prompt_logprobs is not None and not self.chat:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
             out.append(choice)
-        body = self._head(chunk=False) | {"choices": out, "usage": usage(prompt_tokens, completion_tokens)}
+        body = self._head(chunk=False) | {"choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         if self.return_token_ids and self.chat:
             body["prompt_token_ids"] = list(choices[0].prompt_ids)
         if self.prompt_logprobs is not None and self.chat:  # (every choice continues the one prompt)
@@ -126,9 +128,9 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The last chunk with stream_options.include_usage: no choices, the request's usage."""
-        return self._head(chunk=True) | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return self._head(chunk=True) | {"choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

@@ -47,7 +47,8 @@ class Output:
     (ServerFailure, 500) or shut down before the request finished (ServerUnavailable, 503). `logprobs`:
     one per token of `token_ids` when the request asked for them (None otherwise, and on outputs that
     carry no tokens). `prompt_logprobs`: on the first output of a request that asked for them, one per
-    prompt token, the first's logprob None."""
+    prompt token, the first's logprob None. `cached_tokens`: on the first output with tokens, the prompt
+    tokens the engine did not prefill (the prefix cache's, or another request's with the same prompt)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -57,6 +58,7 @@ class Output:
     error: ApiError | None = None
     logprobs: tuple[TextLogprob, ...] | None = None
     prompt_logprobs: tuple[TextLogprob, ...] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,7 +306,8 @@ class EngineWorker:
             (TextLogprob(texts.text(live.job.prompt_ids[0]), None, token_id=live.job.prompt_ids[0]),
              *texts.logprobs(event.prompt_logprobs))
         self._deliver(live.job, Output(live.text.take(final=reason is not None), kept, len(live.job.prompt_ids),
-                                       live.completion_tokens, reason, logprobs=logprobs, prompt_logprobs=scored))
+                                       live.completion_tokens, reason, logprobs=logprobs, prompt_logprobs=scored,
+                                       cached_tokens=event.cached_tokens))
         if reason in ("stop", "length"):
             self._metrics.observe_finished(now - live.job.submitted, live.completion_tokens, live.first_token_at,
                                            live.last_token_at)

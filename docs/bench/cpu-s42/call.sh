@@ -15,7 +15,7 @@ if [[ $PART == 1 ]]; then
 fi
 if [[ $PART == 2 ]]; then  # the prefix cache's branch points: questions after one system prompt; its tests on CUDA
   TURNS_ARGS="--repeats 2" bash bench/gpu_checks.sh $OUT system burst forks; grep -vE "^\s*$|Warn|warn" $OUT/log.txt | tail -24
-  DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=240 TESTS="tests/test_prefix_cache.py tests/test_shares.py tests/test_server_api.py" \
+  DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=240 TESTS="tests/test_prefix_cache.py tests/test_shares.py tests/test_pages.py" \
     bash bench/gpu_checks.sh $OUT tests
   grep -E "passed|failed|=== " $OUT/log.txt | tail -3
   for ws in default :0:0 default :0:0; do  # cuBLAS's workspace: its memset nodes in the prefill graphs, or none

@@ -41,7 +41,7 @@ def drained(engine) -> bool:
     assert engine.page_usage[0] == 0  # (pages only the cache holds are not in use)
     engine.scheduler.clear_prefix_cache()
     s = engine.scheduler
-    return s.pages.num_free == s.pages.num_pages and not s.pages._holders and not s.pages._kept \
+    return s.pages.num_free == s.pages.num_pages and not s.pages._extra.any() and not s.pages._kept.any() \
         and s.pages.num_kept_only == 0 and s.slots.num_free == engine.config.max_slots
 
 
@@ -147,7 +147,7 @@ def test_pages_only_kept_prompts_hold_are_not_in_use():
     assert pages.unkeep([0, 1]) == 0 and (pages.num_used, pages.num_in_use) == (2, 1)
     assert pages.release(1) == 0 and (pages.num_used, pages.num_in_use) == (2, 0)
     assert pages.unkeep([0, 1]) == 2 and pages.num_free == 8 and pages.num_kept_only == 0
-    assert not pages._holders and not pages._kept
+    assert not pages._extra.any() and not pages._kept.any() and pages._num_extra == 0
 
 
 def small_branch_points(monkeypatch) -> list[int]:

@@ -35,7 +35,7 @@ def drained(engine) -> bool:
     """Every slot and page free, and nobody left following anybody."""
     s = engine.scheduler
     return s.pages.num_free == s.pages.num_pages and s.slots.num_free == engine.config.max_slots \
-        and not s.pages._holders and not len(s.shares)
+        and not s.pages._extra.any() and not len(s.shares)
 
 
 def test_allocator_shares_pages_until_the_last_holder_gives_them_back():
@@ -45,7 +45,7 @@ def test_allocator_shares_pages_until_the_last_holder_gives_them_back():
     assert pages.grow(1, 10) == [(1, 2, 3)] and pages.num_free == 4
     pages.share(0, 2, 2)
     assert pages.release(0) == 1 and pages.num_free == 5          # page 2 only: 0 and 1 are held by slots 1, 2
-    assert pages.release(2) == 0 and pages.release(1) == 3 and pages.num_free == 8 and not pages._holders
+    assert pages.release(2) == 0 and pages.release(1) == 3 and pages.num_free == 8 and not pages._extra.any()
     with pytest.raises(ValueError, match="holds 0 pages, not 1"):
         pages.share(0, 1, 1)
     pages.grow(1, 1)

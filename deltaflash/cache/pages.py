@@ -58,8 +58,11 @@ class PageAllocator:
         self._fresh = 0                 # pages _fresh.. have never been handed out
         self._returned: list[int] = []  # pages given back, reused first
         self.held: list[list[int]] = [[] for _ in range(num_slots)]
-        self._holders: dict[int, int] = {}  # page -> its holders (slots, kept prompts), where more than one
-        self._kept: dict[int, int] = {}  # page -> kept prompts holding it (keep), where any
+        # per page (zeros from calloc: a pool of millions of pages costs nothing until pages are shared): its
+        # holders past the first (slots, kept prompts), and the kept prompts among its holders (keep)
+        self._extra = np.zeros(num_pages, dtype=np.int32)
+        self._kept = np.zeros(num_pages, dtype=np.int32)
+        self._num_extra = 0  # the sum of _extra: 0 (no page shared) lets a slot give its pages back at once
         self.num_kept_only = 0  # pages held by kept prompts alone
 
     @property
@@ -119,16 +122,18 @@ class PageAllocator:
 
     def hold(self, pages: list[int]) -> None:
         """One more holder of each of `pages` (held already); `give_back` ends it."""
-        for page in pages:
-            holders = self._holders.get(page, 1)
-            self.num_kept_only -= holders == self._kept.get(page, 0)  # (kept prompts held it alone)
-            self._holders[page] = holders + 1
+        if pages:
+            page = np.asarray(pages)
+            kept = self._kept[page]
+            self.num_kept_only -= int(np.count_nonzero((kept > 0) & (self._extra[page] + 1 == kept)))
+            self._share(page, 1)
 
     def keep(self, pages: list[int]) -> None:
         """A kept prompt (the prefix cache's) holds `pages` too (held already); `unkeep` ends it."""
-        for page in pages:
-            self._holders[page] = self._holders.get(page, 1) + 1
-            self._kept[page] = self._kept.get(page, 0) + 1
+        if pages:
+            page = np.asarray(pages)
+            self._share(page, 1)
+            self._kept[page] += 1
 
     def release(self, slot: int) -> int:
         """Give back every page of `slot` (retirement, cancellation, preemption); returns how many are free
@@ -138,30 +143,33 @@ class PageAllocator:
 
     def give_back(self, pages: list[int]) -> int:
         """One holder lets `pages` go; those nobody holds any more are free again (returns how many)."""
-        if self._holders:
-            pages = [page for page in pages if self._let_go(page, kept=False)]
+        if self._num_extra and pages:
+            page = np.asarray(pages)
+            shared = self._extra[page] > 0
+            page, pages = page[shared], [p for p, s in zip(pages, shared.tolist()) if not s]
+            self._share(page, -1)
+            self.num_kept_only += int(np.count_nonzero((self._kept[page] > 0) & (self._extra[page] + 1 ==
+                                                                                  self._kept[page])))
         self._returned.extend(reversed(pages))
         return len(pages)
 
     def unkeep(self, pages: list[int]) -> int:
         """A kept prompt lets `pages` go; those nobody holds any more are free again (returns how many)."""
-        pages = [page for page in pages if self._let_go(page, kept=True)]
-        self._returned.extend(reversed(pages))
-        return len(pages)
+        if not pages:
+            return 0
+        page = np.asarray(pages)
+        self._kept[page] -= 1
+        alone = self._extra[page] == 0  # (its last holder: a page kept prompts alone held)
+        self._share(page[~alone], -1)
+        free = page[alone].tolist()
+        self.num_kept_only -= len(free)
+        self._returned.extend(reversed(free))
+        return len(free)
 
-    def _let_go(self, page: int, kept: bool) -> bool:
-        """One holder of `page` (a kept prompt if `kept`) lets it go; whether the page is free now."""
-        holders = self._holders.pop(page, 1) - 1
-        if holders > 1:
-            self._holders[page] = holders
-        others_kept = self._kept.pop(page, 0) - kept
-        if others_kept:
-            self._kept[page] = others_kept
-        if kept:
-            self.num_kept_only -= holders == 0  # (a kept prompt held it alone)
-        else:
-            self.num_kept_only += 0 < holders == others_kept  # kept prompts alone hold it now
-        return holders == 0
+    def _share(self, page: np.ndarray, holders: int) -> None:
+        """`holders` more holders (or fewer) of each of `page` (distinct ids)."""
+        self._extra[page] += holders
+        self._num_extra += holders * len(page)
 
 
 class BlockTables:

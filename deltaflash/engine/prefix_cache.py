@@ -44,19 +44,22 @@ BRANCH_ALIGN = 64  # branch points at multiples of this (fla-core's chunk; whole
 @dataclass(eq=False)
 class CachedPrompt:
     """A kept prompt (or a kept beginning of one): its tokens (int64, read only), the row of saved state
-    holding the GDN state after them, and the pages holding their K/V (and the drafter's context)."""
+    holding the GDN state after them, the pages holding their K/V (and the drafter's context), and the keys
+    of their whole blocks (block_keys)."""
 
     tokens: np.ndarray
     row: int
     pages: list[int]
+    keys: list[int]
 
 
 def block_keys(tokens: np.ndarray, block: int) -> Iterator[int]:
     """The keys of tokens' whole blocks of `block` tokens, in order: key k stands for the first k + 1 blocks (a
     hash chained over them; a kept prompt found by its key is compared with the tokens before it is used)."""
-    key = 0
-    for start in range(0, len(tokens) // block * block, block):
-        key = hash((key, tokens[start:start + block].tobytes()))
+    width = block * tokens.itemsize
+    data, key = tokens[:len(tokens) // block * block].tobytes(), 0
+    for start in range(0, len(data), width):
+        key = hash((key, data[start:start + width]))
         yield key
 
 
@@ -100,32 +103,30 @@ class PrefixCache:
                 best = entry
         return best
 
-    def kept(self, tokens: np.ndarray) -> CachedPrompt | None:
-        """The entry of exactly these tokens, if any."""
-        return next((e for e in self._ends.get(self._end_key(tokens), ())
-                     if len(e.tokens) == len(tokens) and np.array_equal(e.tokens, tokens)), None)
+    def keys(self, tokens: np.ndarray) -> list[int]:
+        """The keys of tokens' whole blocks (kept and add take them, computed once)."""
+        return list(block_keys(tokens, self.block))
 
-    def _end_key(self, tokens: np.ndarray) -> int:
-        """The key of tokens' whole blocks (0 for none)."""
-        key = 0
-        for key in block_keys(tokens, self.block):
-            pass
-        return key
+    def kept(self, tokens: np.ndarray, keys: list[int] | None = None) -> CachedPrompt | None:
+        """The entry of exactly these tokens (whose block keys are `keys`), if any."""
+        keys = self.keys(tokens) if keys is None else keys
+        return next((e for e in self._ends.get(keys[-1] if keys else 0, ())
+                     if len(e.tokens) == len(tokens) and np.array_equal(e.tokens, tokens)), None)
 
     def touch(self, entry: CachedPrompt) -> None:
         """`entry` was used: the most recently used now."""
         self.entries.remove(entry)
         self.entries.append(entry)
 
-    def add(self, tokens: np.ndarray, pages: list[int]) -> CachedPrompt | None:
-        """A new entry in a free row (None when every row is taken: evict first)."""
+    def add(self, tokens: np.ndarray, pages: list[int], keys: list[int] | None = None) -> CachedPrompt | None:
+        """A new entry (tokens with block keys `keys`) in a free row (None when every row is taken: evict first)."""
         if not self._free_rows:
             return None
-        entry = CachedPrompt(tokens, self._free_rows.pop(), pages)
+        entry = CachedPrompt(tokens, self._free_rows.pop(), pages, self.keys(tokens) if keys is None else keys)
         self.entries.append(entry)
-        for key in block_keys(tokens, self.block):
+        for key in entry.keys:
             self._blocks[key] = self._blocks.get(key, 0) + 1
-        self._ends.setdefault(self._end_key(tokens), []).append(entry)
+        self._ends.setdefault(entry.keys[-1] if entry.keys else 0, []).append(entry)
         return entry
 
     def evict(self, keep: CachedPrompt | None = None) -> CachedPrompt | None:
@@ -135,11 +136,11 @@ class PrefixCache:
         if entry is None:
             return None
         self.entries.remove(entry)
-        for key in block_keys(entry.tokens, self.block):
+        for key in entry.keys:
             self._blocks[key] -= 1
             if not self._blocks[key]:
                 del self._blocks[key]
-        key = self._end_key(entry.tokens)
+        key = entry.keys[-1] if entry.keys else 0
         self._ends[key].remove(entry)
         if not self._ends[key]:
             del self._ends[key]

@@ -289,14 +289,15 @@ class Scheduler:
                 tokens = seq.prompt_array
             else:
                 continue
-            kept = self.prefix.kept(tokens)
+            keys = self.prefix.keys(tokens)
+            kept = self.prefix.kept(tokens, keys)
             if kept is not None:
                 self.prefix.touch(kept)
                 continue
             pages = self.pages.held[seq.slot][:pages_for(len(tokens), self.config.page_size)]
-            entry = self.prefix.add(tokens, pages)
+            entry = self.prefix.add(tokens, pages, keys)
             if entry is None and self._evict():
-                entry = self.prefix.add(tokens, pages)
+                entry = self.prefix.add(tokens, pages, keys)
             self.pages.keep(pages)
             snapshots.append(Snapshot(seq, entry.row))
         return snapshots

@@ -49,6 +49,10 @@ def copy_pages(store: torch.Tensor, pages: torch.Tensor) -> None:
         store.index_copy_(1, pages[1], store.index_select(1, pages[0]))
 
 
+def _ids(pages: list[int]) -> np.ndarray:
+    return np.fromiter(pages, dtype=np.int64, count=len(pages))
+
+
 class PageAllocator:
     """Page ids 0..num_pages-1 and the pages each slot holds. Never-used pages are handed out in order
     (no list of all ids is built, so a pool of millions of pages starts at once), given-back ones first."""
@@ -123,7 +127,7 @@ class PageAllocator:
     def hold(self, pages: list[int]) -> None:
         """One more holder of each of `pages` (held already); `give_back` ends it."""
         if pages:
-            page = np.asarray(pages)
+            page = _ids(pages)
             kept = self._kept[page]
             self.num_kept_only -= int(np.count_nonzero((kept > 0) & (self._extra[page] + 1 == kept)))
             self._share(page, 1)
@@ -131,7 +135,7 @@ class PageAllocator:
     def keep(self, pages: list[int]) -> None:
         """A kept prompt (the prefix cache's) holds `pages` too (held already); `unkeep` ends it."""
         if pages:
-            page = np.asarray(pages)
+            page = _ids(pages)
             self._share(page, 1)
             self._kept[page] += 1
 
@@ -144,12 +148,14 @@ class PageAllocator:
     def give_back(self, pages: list[int]) -> int:
         """One holder lets `pages` go; those nobody holds any more are free again (returns how many)."""
         if self._num_extra and pages:
-            page = np.asarray(pages)
+            page = _ids(pages)
             shared = self._extra[page] > 0
-            page, pages = page[shared], [p for p, s in zip(pages, shared.tolist()) if not s]
-            self._share(page, -1)
-            self.num_kept_only += int(np.count_nonzero((self._kept[page] > 0) & (self._extra[page] + 1 ==
-                                                                                  self._kept[page])))
+            if shared.any():  # (most often all of them or none)
+                pages = [] if shared.all() else page[~shared].tolist()
+                page = page[shared]
+                self._share(page, -1)
+                self.num_kept_only += int(np.count_nonzero((self._kept[page] > 0) & (self._extra[page] + 1 ==
+                                                                                      self._kept[page])))
         self._returned.extend(reversed(pages))
         return len(pages)
 
@@ -157,7 +163,7 @@ class PageAllocator:
         """A kept prompt lets `pages` go; those nobody holds any more are free again (returns how many)."""
         if not pages:
             return 0
-        page = np.asarray(pages)
+        page = _ids(pages)
         self._kept[page] -= 1
         alone = self._extra[page] == 0  # (its last holder: a page kept prompts alone held)
         self._share(page[~alone], -1)

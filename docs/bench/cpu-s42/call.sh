@@ -14,9 +14,10 @@ if [[ $PART == 1 ]]; then
   exit
 fi
 if [[ $PART == 2 ]]; then  # the prefix cache's branch points: questions after one system prompt; its tests on CUDA
-  TURNS_ARGS="--repeats 2" bash bench/gpu_checks.sh $OUT system burst forks; grep -vE "^\s*$|Warn|warn" $OUT/log.txt | tail -24
-  DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=240 TESTS="tests/test_prefix_cache.py tests/test_shares.py tests/test_pages.py" \
+  TURNS_ARGS="--repeats 2" bash bench/gpu_checks.sh $OUT system burst; grep -vE "^\s*$|Warn|warn" $OUT/log.txt | tail -16
+  DELTAFLASH_TEST_DEVICE=cuda PYTEST_ARGS="-n 8" LIMIT_TESTS=200 TESTS="tests/test_prefix_cache.py tests/test_shares.py tests/test_pages.py" \
     bash bench/gpu_checks.sh $OUT tests
   grep -E "passed|failed|=== " $OUT/log.txt | tail -3
+  bash bench/gpu_checks.sh $OUT forks; grep -vE "^\s*$|Warn|warn" $OUT/log.txt | tail -8
   exit
 fi

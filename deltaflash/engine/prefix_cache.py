@@ -4,7 +4,7 @@ A hybrid model's state at a position is not only its K/V pages: each GDN layer's
 history sum up every token before it, and exist only where a prefill or a round left them. So the cache keeps
 snapshots at the positions prefills reach: when a prompt of at least `MIN_TOKENS` tokens finishes its prefill,
 its slot's GDN state is copied into a row of the pool's saved state (SlotPool.save) and its pages are held by
-the cache (PageAllocator.hold). A request whose prompt begins with a kept prompt and goes on past it (an agent's
+the cache (PageAllocator.keep). A request whose prompt begins with a kept prompt and goes on past it (an agent's
 next turn: its previous prompt, the answer, the tool's result) starts from there: its slot takes the saved state
 (SlotPool.restore), holds the kept prompt's whole pages with the cache, gets a copy of the partial last
 one, and prefills only the rest. Sequences write only at or past their committed length, so the positions a
@@ -22,8 +22,9 @@ and the request waits for that state (Scheduler._awaits_branch): the beginning i
 Kept prompts are found by the keys of their blocks of BRANCH_ALIGN tokens (a hash chained over them): a lookup
 hashes the blocks a prompt shares with kept ones and compares it with the few kept prompts that end there, not
 with every kept prompt (64 kept prompts after one 2048-token system prompt: 17 us a lookup against 245 on this
-CPU box by comparison). Entries are evicted least recently used first: for a new snapshot when every row is taken, and for pages
-when admission or a round would otherwise wait or preempt (Scheduler). Host only; the scheduler owns it.
+CPU box by comparison). Entries are evicted least recently used first: for a new snapshot when every row is
+taken, and for pages when admission or a round would otherwise wait or preempt (Scheduler). Host only; the
+scheduler owns it.
 """
 
 from __future__ import annotations

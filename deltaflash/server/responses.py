@@ -20,7 +20,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache (or shared with another
     request's prefill), as OpenAI's prompt caching reports them."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Formatter:
     prompt_logprobs: int | None = None
     include_reasoning: bool = True
 
-    def body(self, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def body(self, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int,
+             cached_tokens: int = 0) -> dict:
         out = []
         for c in choices:
             if self.chat:
@@ -89,7 +91,8 @@ class Formatter:
             if self.prompt_logprobs is not None and not self.chat:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
             out.append(choice)
-        body = self._head(chunk=False) | {"choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+        body = self._head(chunk=False) | {"choices": out,
+                                          "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         if self.return_token_ids and self.chat:
             body["prompt_token_ids"] = list(choices[0].prompt_ids)
         if self.prompt_logprobs is not None and self.chat:  # (every choice continues the one prompt)

@@ -23,4 +23,5 @@ for _ in range(50):
     assert pages.num_free == pages.num_pages
     release.append(t1 - t0)
     evict.append(t2 - t1)
-print(f"2,048 kept pages: release {1e6 * statistics.median(release):.0f} us, eviction {1e6 * statistics.median(evict):.0f} us")
+print(f"2,048 kept pages: release {1e6 * statistics.median(release):.0f} us, "
+      f"eviction {1e6 * statistics.median(evict):.0f} us")

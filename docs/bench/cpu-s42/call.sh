@@ -3,7 +3,7 @@
 # and the TTFT's host split with the collector frozen.
 PART=${1:-1}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "card: $name; $(date -u); tree $(git rev-parse --short HEAD 2>/dev/null)"
+echo "card: $name; $(date -u)"  # (the device copy's git metadata is stale: no tree hash)
 if [[ $name == *H200* ]]; then exec bash bench/h200_owed.sh "$OUT" "$PART"; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache

@@ -128,8 +128,7 @@ class PageAllocator:
         """One more holder of each of `pages` (held already); `give_back` ends it."""
         if pages:
             page = _ids(pages)
-            kept = self._kept[page]
-            self.num_kept_only -= int(np.count_nonzero((kept > 0) & (self._extra[page] + 1 == kept)))
+            self.num_kept_only -= self._kept_only(page)
             self._share(page, 1)
 
     def keep(self, pages: list[int]) -> None:
@@ -154,8 +153,7 @@ class PageAllocator:
                 pages = [] if shared.all() else page[~shared].tolist()
                 page = page[shared]
                 self._share(page, -1)
-                self.num_kept_only += int(np.count_nonzero((self._kept[page] > 0) & (self._extra[page] + 1 ==
-                                                                                      self._kept[page])))
+                self.num_kept_only += self._kept_only(page)
         self._returned.extend(reversed(pages))
         return len(pages)
 
@@ -171,6 +169,11 @@ class PageAllocator:
         self.num_kept_only -= len(free)
         self._returned.extend(reversed(free))
         return len(free)
+
+    def _kept_only(self, page: np.ndarray) -> int:
+        """How many of `page` kept prompts alone hold (all their holders are kept prompts)."""
+        kept = self._kept[page]
+        return int(np.count_nonzero((kept > 0) & (self._extra[page] + 1 == kept)))
 
     def _share(self, page: np.ndarray, holders: int) -> None:
         """`holders` more holders (or fewer) of each of `page` (distinct ids)."""

@@ -135,6 +135,35 @@ def test_a_branch_point_is_made_once_and_only_where_it_pays():
     assert cache.match(b) == (None, 0) and not cache._blocks and not cache._ends
 
 
+def test_a_beginning_counts_as_used_with_the_prompts_kept_beyond_it():
+    """Touching or keeping a prompt touches the kept prompts it begins with (just before it): a system prompt's
+    branch point outlives the questions kept after it; a question goes least recently used first."""
+    cache = PrefixCache(rows=4)
+    system = np.arange(256, dtype=np.int64)
+    questions = [np.concatenate([system, np.full(70, 1000 + i)]) for i in range(3)]
+    beginning = cache.add(system, [])
+    first, second = cache.add(questions[0], []), cache.add(questions[1], [])
+    other = cache.add(np.arange(5000, 5100, dtype=np.int64), [])
+    assert cache.entries == [first, beginning, second, other]
+    cache.touch(first)
+    assert cache.entries == [second, other, beginning, first]
+    assert cache.evict() is second and cache.evict() is other and cache.add(questions[2], []) is not None
+    assert cache.entries == [first, beginning, cache.kept(questions[2])]
+    assert cache.evict() is first and cache.evict() is beginning
+
+
+def test_a_burst_keeps_its_branch_point_with_few_rows(pair):
+    """Three rows, four questions after one system prompt at once: their prompts, kept as they complete, evict
+    one another, not the branch point they all began from; a fifth question later starts there."""
+    system, *rest = prompts(VOCAB, [300, 20, 30, 25, 40, 35], seed=21)
+    config = dict(max_model_len=512, max_num_batched_tokens=512, idle_prefill_tokens=512, prefix_cache=3)
+    engine = engine_for(pair[0], **config)
+    engine.generate([system + q for q in rest[:4]], [params(i) for i in range(4)])
+    assert engine.stats["cached_prompt_tokens"] == 3 * 256 and 256 in kept_lengths(engine)
+    one_by_one(engine, [system + rest[4]])
+    assert engine.stats["cached_prompt_tokens"] == 4 * 256 and drained(engine)
+
+
 def test_pages_only_kept_prompts_hold_are_not_in_use():
     pages = PageAllocator(8, 4, 2)
     pages.grow(0, 12)  # pages 0, 1, 2

@@ -23,7 +23,10 @@ Kept prompts are found by the keys of their blocks of BRANCH_ALIGN tokens (a has
 hashes the blocks a prompt shares with kept ones and compares it with the few kept prompts that end there, not
 with every kept prompt (64 kept prompts after one 2048-token system prompt: 17 us a lookup against 245 on this
 CPU box by comparison). Entries are evicted least recently used first: for a new snapshot when every row is
-taken, and for pages when admission or a round would otherwise wait or preempt (Scheduler). Host only; the
+taken, and for pages when admission or a round would otherwise wait or preempt (Scheduler). A kept prompt counts
+as used whenever a longer kept prompt that begins with it is used or kept (as a radix tree's node is when its
+subtree is): a system prompt's branch point outlives the questions kept beyond it, though every question keeps
+a row, and a new question evicts the oldest of them, not the beginning all of them share. Host only; the
 scheduler owns it.
 """
 
@@ -115,9 +118,17 @@ class PrefixCache:
                      if len(e.tokens) == len(tokens) and np.array_equal(e.tokens, tokens)), None)
 
     def touch(self, entry: CachedPrompt) -> None:
-        """`entry` was used: the most recently used now."""
-        self.entries.remove(entry)
-        self.entries.append(entry)
+        """`entry` was used: the most recently used now, and the kept prompts it begins with just before it."""
+        for used in self._beginnings(entry) + [entry]:
+            self.entries.remove(used)
+            self.entries.append(used)
+
+    def _beginnings(self, entry: CachedPrompt) -> list[CachedPrompt]:
+        """The other kept prompts that `entry`'s tokens begin with, shortest first (found under the keys of its
+        leading blocks: a kept prompt is filed under the key of its whole blocks)."""
+        n = len(entry.tokens)
+        return [e for key in [0, *entry.keys] for e in sorted(self._ends.get(key, ()), key=lambda e: len(e.tokens))
+                if len(e.tokens) < n and np.array_equal(e.tokens, entry.tokens[:len(e.tokens)])]
 
     def add(self, tokens: np.ndarray, pages: list[int], keys: list[int] | None = None) -> CachedPrompt | None:
         """A new entry (tokens with block keys `keys`) in a free row (None when every row is taken: evict first)."""
@@ -125,6 +136,7 @@ class PrefixCache:
             return None
         entry = CachedPrompt(tokens, self._free_rows.pop(), pages, self.keys(tokens) if keys is None else keys)
         self.entries.append(entry)
+        self.touch(entry)  # (the prompts it begins with: used now too)
         for key in entry.keys:
             self._blocks[key] = self._blocks.get(key, 0) + 1
         self._ends.setdefault(entry.keys[-1] if entry.keys else 0, []).append(entry)

@@ -79,6 +79,8 @@ for step in "$@"; do
         burst) run burst 300 python3 bench/prompt_forks.py --questions 128 ${FORKS_ARGS:-} ;;  # n questions after one
                # system prompt at once: the prefix cache (the first prefill stops at the branch point) or not
         turns) run turns 300 python3 bench/prefix_turns.py ${TURNS_ARGS:-} ;;  # an agent's turns, prefix cache or not
+        answers) run answers 300 python3 bench/prefix_turns.py --answers ${TURNS_ARGS:-} ;;  # chat turns sending the
+                 # answer back: a finished request's state kept, or not
         system) run system 300 python3 bench/prefix_turns.py --system ${TURNS_ARGS:-} ;;  # questions after one
                 # system prompt: the prefix cache's branch point, or not
         target) run target 400 python3 -m pytest -q -x tests/test_gpu_target.py ;;

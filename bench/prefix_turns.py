@@ -1,14 +1,16 @@
 """An agent's turns, or questions after one system prompt, with the prefix cache against without, alternated.
 
     python3 bench/prefix_turns.py [--shape 9b|27b|toy] [--prompt-len 2048] [--turns 4] [--added 128] [--repeats 2]
-                                  [--system]
+                                  [--system | --answers] [--new 32]
 
 The 9B shape's target (random bf16 weights; CUDA) or the toy shape's (any device), target-only, the serve
 defaults (max_model_len the model's 262,144) but for a 10 GiB page pool each (two engines share the device): one request per turn,
-greedy, 32 new tokens; turn 1 is a random prompt, each next turn that prompt and `added` more tokens (the
-answer and a tool's result, random here). With --system each turn's prompt is instead that random prompt (a
-system prompt) and `added` tokens of its own (a question): the second stops its prefill at their branch point,
-the later ones start there. Prints each turn's time to first token by mode (medians), the prompt tokens prefilled,
+greedy, `new` new tokens; turn 1 is a random prompt, each next turn that prompt and `added` more tokens (the
+answer and a tool's result, random here). With --answers each next turn carries the previous answer back, as a
+chat client does: the previous prompt, its answer, then `added` random tokens (a finished request's state is kept,
+so only those are prefilled). With --system each turn's prompt is instead that random prompt (a system prompt)
+and `added` tokens of its own (a question): the second stops its prefill at their branch point, the later ones
+start there. Prints each turn's time to first token by mode (medians), the prompt tokens prefilled,
 and the ratio without / with from turn 2 on.
 """
 
@@ -26,23 +28,28 @@ from deltaflash.engine.engine import Engine
 from deltaflash.models.random_init import SHAPES, random_model
 
 
-def turns(engine: Engine, prompts: list[list[int]]) -> tuple[list[float], int]:
-    """(TTFT ms of each prompt run alone in order, prompt tokens prefilled)."""
+def turns(engine: Engine, prompts: list[list[int]], new: int, answers: bool) -> tuple[list[float], int]:
+    """(TTFT ms of each prompt run alone in order, prompt tokens prefilled). answers: prompts[0] is the first
+    turn's and each later one what its turn adds after the previous prompt and that prompt's answer."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     engine.scheduler.clear_prefix_cache()
     engine.stats["prefill_tokens"] = 0
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    ttft = []
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    ttft, previous = [], []
     for prompt in prompts:
+        if answers:
+            prompt = previous + prompt
         sync()
         t0 = time.perf_counter()
-        engine.add_request(prompt, params)
-        first = None
+        request = engine.add_request(prompt, params)
+        first, answer = None, []
         while engine.has_work():
             events = engine.step()
             if first is None and any(ev.token_ids for ev in events):
                 first = time.perf_counter() - t0
+            answer += [t for ev in events if ev.request_id == request for t in ev.token_ids]
         ttft.append(1e3 * first)
+        previous = prompt + answer
     return ttft, engine.stats["prefill_tokens"]
 
 
@@ -53,7 +60,10 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--added", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--system", action="store_true", help="each turn the first prompt and a question of its own")
+    p.add_argument("--new", type=int, default=32, help="new tokens a turn (its answer)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--system", action="store_true", help="each turn the first prompt and a question of its own")
+    mode.add_argument("--answers", action="store_true", help="each turn carries the previous answer back")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -65,6 +75,8 @@ def main() -> None:
         return torch.randint(0, cfg.vocab_size, (args.added,), generator=g).tolist()
     if args.system:
         prompts = [prompt + more() for _ in range(args.turns)]
+    elif args.answers:  # (each turn's answer goes in between at run time)
+        prompts = [prompt] + [more() for _ in range(args.turns - 1)]
     else:
         prompts = [prompt]
         for _ in range(args.turns - 1):
@@ -75,11 +87,11 @@ def main() -> None:
     runs: dict[bool, list] = {False: [], True: []}
     for _ in range(args.repeats):
         for cache in (False, True):
-            runs[cache].append(turns(engines[cache], prompts))
+            runs[cache].append(turns(engines[cache], prompts, args.new, args.answers))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     pattern = f"each a {args.prompt_len}-token system prompt and {args.added} tokens of its own" if args.system \
-        else f"{args.prompt_len} tokens, then +{args.added} a turn"
-    print(f"{name}: {args.shape} shape, target-only, {args.turns} turns: {pattern}, 32 new tokens each, "
+        else f"{args.prompt_len} tokens, then +{args.added} a turn" + (" after the answer" if args.answers else "")
+    print(f"{name}: {args.shape} shape, target-only, {args.turns} turns: {pattern}, {args.new} new tokens each, "
           f"{args.repeats} alternated runs (medians)")
     med = {c: [statistics.median(r[0][i] for r in runs[c]) for i in range(args.turns)] for c in runs}
     for cache in (False, True):

@@ -13,8 +13,10 @@ from deltaflash.cache.pages import PageAllocator
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine import prefix_cache
 from deltaflash.engine.config import EngineConfig
+from deltaflash.engine.engine import Engine
 from deltaflash.engine.prefix_cache import PrefixCache
 from deltaflash.errors import DeltaflashError
+from deltaflash.speculative.sources import ScriptedSource
 from tests.spec_pairs import engine_for, make_pair, prompts, run_cancelling
 from tests.test_pages import page_bytes
 
@@ -65,11 +67,74 @@ def test_prompts_that_begin_with_a_kept_prompt_prefill_only_the_rest(pair, specu
     assert got == want
     assert cached.stats["cached_prompt_tokens"] == 100 + 137 + 100
     assert cached.stats["prefill_tokens"] == 100 + 37 + 20 + 20 + 100
-    assert len(cached.scheduler.prefix) == 4 and drained(cached)  # a, a+b, a+b+c, a+c
+    assert kept_lengths(cached, turns) == [100, 120, 137, 157] and drained(cached)  # a, a+c, a+b, a+b+c
 
 
-def kept_lengths(engine) -> list[int]:
-    return sorted(len(e.tokens) for e in engine.scheduler.prefix.entries)
+@pytest.mark.parametrize("drafts, stop", [("scripted", False), ("scripted", True), ("target-only", True),
+                                          ("dflash", False)],
+                         ids=["rounds-end-on-the-answer", "a-round-past-the-answer", "target-only", "dflash"])
+def test_a_next_turn_sending_the_answer_back_starts_after_it(pair, drafts, stop):
+    """Turns that carry the previous answer back (prompt, answer, a new message), one by one: a finished sequence's
+    state - its tokens but the pending last one - is kept, so the next turn prefills only its new message. The
+    scripted drafts are the target's own greedy text, accepted whole: rounds of 6 tokens after the first, so 19
+    new tokens end on a round; a stop token inside the third round cuts it short - the state went on past the
+    answer, so it is not kept and the next turn starts from the previous prompt. The slot is taken again at once
+    (the state is saved before its reset). Outputs equal target-only without the cache."""
+    a, b, c = prompts(VOCAB, [100, 30, 20], seed=5)
+    plain = engine_for(pair[0], max_model_len=512, prefix_cache=0)
+    turns, scripts, sampling = [a], {}, []
+    for message in (b, c, None):
+        script = plain.generate([turns[-1]], SamplingParams(max_new_tokens=27, ignore_eos=True, temperature=0.0))
+        scripts[tuple(turns[-1])] = script = script[0][0].token_ids
+        end = next(i for i in range(13, 18) if script[i] not in script[:i]) + 1 if stop else 19  # (round 3: 13..18)
+        sampling.append(SamplingParams(max_new_tokens=19, ignore_eos=True, temperature=0.0,
+                                       stop_token_ids=(script[end - 1],) if stop else ()))
+        if message is not None:
+            turns.append(turns[-1] + script[:end] + message)
+    source = ScriptedSource(scripts, 6, VOCAB) if drafts == "scripted" else None
+    draft = pair[1] if drafts == "dflash" else None
+    engine = engine_for(pair[0], draft, draft_source=source, max_model_len=512)
+    got = [engine.generate([t], s)[0][0] for t, s in zip(turns, sampling)]
+    assert [g.token_ids for g in got] == [plain.generate([t], s)[0][0].token_ids for t, s in zip(turns, sampling)]
+    if source is not None:
+        assert all(g.accepted_lengths[:2] == [6, 6] for g in got)
+    if draft is not None:  # the drafter's context of the answer came with the kept state: it drafts as it would have
+        fresh = engine_for(pair[0], draft, max_model_len=512, prefix_cache=0)
+        assert [g.accepted_lengths for g in got] == \
+            [fresh.generate([t], s)[0][0].accepted_lengths for t, s in zip(turns, sampling)]
+    kept = source is None or not stop
+    starts = [len(t) + (len(g.token_ids) - 1 if kept else 0) for t, g in zip(turns, got)][:2]
+    assert engine.stats["cached_prompt_tokens"] == sum(starts)
+    assert engine.stats["prefill_tokens"] == sum(len(t) for t in turns) - sum(starts)
+    assert drained(engine)
+
+
+def test_the_demo_drafter_drafts_after_a_kept_answer_as_after_a_prefill():
+    """The bundled demo pair (its drafter accepts): a second turn that sends the first's answer back starts from the
+    answer's kept state, with the drafter's context of the answer from the rounds that made it - and drafts as an
+    engine that prefilled the whole turn does: the same tokens and the same accepted lengths."""
+    from deltaflash.bundled import BUNDLED
+    from deltaflash.tokenizer import encode_prompt
+    from deltaflash.train.corpus import heldout_prompts, load_split
+
+    first, message = heldout_prompts(load_split(), 2, num_lines=8)
+    engines = [Engine.from_pretrained(BUNDLED / "target", BUNDLED / "draft", device="cpu", progress=False,
+                                      speculation="fixed", prefix_cache=rows) for rows in (None, 0)]
+    greedy = SamplingParams(max_new_tokens=48)
+    turn = encode_prompt(engines[0].tokenizer, first)
+    answer = engines[0].generate([turn], greedy)[0][0].token_ids
+    second = turn + answer + encode_prompt(engines[0].tokenizer, message)
+    got, want = (e.generate([second], greedy)[0][0] for e in engines)
+    assert engines[0].stats["cached_prompt_tokens"] == len(turn) + len(answer) - 1
+    assert max(want.accepted_lengths) > 1 and got.token_ids == want.token_ids
+    assert got.accepted_lengths == want.accepted_lengths
+
+
+def kept_lengths(engine, answered=(), new: int = 12) -> list[int]:
+    """The lengths of the kept entries but the finished states of the `answered` prompts (each prompt and its
+    `new` tokens but the last: kept too, where a next turn could send the answer back)."""
+    answers = {len(p) + new - 1 for p in answered}
+    return sorted(len(e.tokens) for e in engine.scheduler.prefix.entries if len(e.tokens) not in answers)
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "target-only"])
@@ -83,11 +148,11 @@ def test_prompts_sharing_a_beginning_meet_at_its_branch_point(pair, speculative)
     system, *rest = prompts(VOCAB, [300, 20, 30, 25, 400], seed=13)
     turns = [system + q for q in rest[:3]] + [rest[3]] * 3
     config = dict(max_model_len=512, max_num_batched_tokens=512, idle_prefill_tokens=512)
-    cached = engine_for(pair[0], draft, **config)
+    cached = engine_for(pair[0], draft, prefix_cache=16, **config)
     got = [x.token_ids for x in one_by_one(cached, turns)]
     want = [x.token_ids for x in one_by_one(engine_for(pair[0], draft, prefix_cache=0, **config), turns)]
     assert got == want
-    assert kept_lengths(cached) == [256, 320, 325, 330, 384, 400]
+    assert kept_lengths(cached, turns) == [256, 320, 325, 330, 384, 400]
     assert cached.stats["cached_prompt_tokens"] == 256 + 384
     assert cached.stats["prefill_tokens"] == 320 + 330 + (325 - 256) + 400 + 400 + (400 - 384)
     assert drained(cached)
@@ -97,18 +162,44 @@ def test_prompts_sharing_a_beginning_meet_at_its_branch_point(pair, speculative)
 def test_a_burst_of_prompts_sharing_a_beginning_prefills_it_once(pair, speculative):
     """Four questions after one 300-token system prompt added at once, nothing kept yet: the first prompt's prefill
     stops at 256 for the others, which wait for that state and start from it (in one step together). A fifth, on
-    another beginning, waits behind them. Outputs equal an engine without the cache."""
+    another beginning, does not wait with them: it starts in the first step. Outputs equal an engine without the
+    cache."""
     draft = pair[1] if speculative else None
     system, *rest = prompts(VOCAB, [300, 20, 30, 25, 40, 290], seed=16)
     batch = [system + q for q in rest[:4]] + [rest[4]]
     config = dict(max_model_len=512, max_num_batched_tokens=512, idle_prefill_tokens=512)
-    cached, plain = engine_for(pair[0], draft, **config), engine_for(pair[0], draft, prefix_cache=0, **config)
+    cached, plain = engine_for(pair[0], draft, prefix_cache=16, **config), engine_for(pair[0], draft, prefix_cache=0,
+                                                                                     **config)
     sampling = [params(i) for i in range(len(batch))]
     assert [c.token_ids for c in cached.generate(batch, sampling)[0]] == \
         [c.token_ids for c in plain.generate(batch, sampling)[0]]
     assert cached.stats["cached_prompt_tokens"] == 3 * 256
     assert cached.stats["prefill_tokens"] == sum(len(p) for p in batch) - 3 * 256
-    assert kept_lengths(cached) == sorted([256, 290] + [len(p) for p in batch[:4]]) and drained(cached)
+    assert kept_lengths(cached, batch) == sorted([256, 290] + [len(p) for p in batch[:4]]) and drained(cached)
+
+
+def test_requests_behind_a_burst_do_not_wait_for_its_branch_point(pair):
+    """Three questions after one system prompt, then another prompt twice (its samples) and a third prompt, added
+    at once: the second and third questions wait for the first's prefill to reach the branch point; the requests
+    behind them start in the first step, and the other prompt's second request forks from the first when its
+    prefill is done, though the questions are ahead of it in the queue. Outputs equal an engine without the cache."""
+    system, *rest = prompts(VOCAB, [300, 20, 30, 25, 60, 100], seed=23)
+    batch = [system + q for q in rest[:3]] + [rest[3], rest[3], rest[4]]
+    config = dict(max_model_len=512, max_num_batched_tokens=512, idle_prefill_tokens=512)
+    cached, plain = engine_for(pair[0], **config), engine_for(pair[0], prefix_cache=0, **config)
+    sampling = [params(i) for i in range(len(batch))]
+    ids = [cached.add_request(p, s) for p, s in zip(batch, sampling)]
+    got, step = {i: [] for i in ids}, 0
+    while cached.has_work():
+        for event in cached.step():
+            got[event.request_id].extend(event.token_ids)
+        step += 1
+        if step == 1:
+            running, waiting = cached.scheduler.running, [s.request_id for s in cached.scheduler.waiting]
+            assert ids[0] in running and waiting == ids[1:3] and all(i in running for i in ids[3:])
+    assert [got[i] for i in ids] == [c.token_ids for c in plain.generate(batch, sampling)[0]]
+    assert cached.stats["prefill_tokens"] == sum(len(p) for p in batch) - 2 * 256 - 60  # (two restored, a fork)
+    assert drained(cached)
 
 
 def test_a_branch_point_is_made_once_and_only_where_it_pays():
@@ -216,13 +307,13 @@ def test_many_prompts_on_a_few_beginnings_meet_at_branch_points(pair, monkeypatc
 
 def test_the_least_recently_used_prompt_goes_first(pair):
     a, b, x = prompts(VOCAB, [70, 80, 5], seed=4)
-    engine = engine_for(pair[0], prefix_cache=2)
-    one_by_one(engine, [a, b])
-    one_by_one(engine, [a + x])   # a used: b is the least recently used now
+    engine = engine_for(pair[0], prefix_cache=2)  # (one new token: no finished state to keep)
+    one_by_one(engine, [a, b], new=1)
+    one_by_one(engine, [a + x], new=1)   # a used: b is the least recently used now
     assert engine.stats["cached_prompt_tokens"] == 70
-    one_by_one(engine, [b + x])   # a + x took b's row
+    one_by_one(engine, [b + x], new=1)   # a + x took b's row
     assert engine.stats["cached_prompt_tokens"] == 70
-    one_by_one(engine, [a + x + x])
+    one_by_one(engine, [a + x + x], new=1)
     assert engine.stats["cached_prompt_tokens"] == 70 + 75 and drained(engine)
 
 
@@ -246,7 +337,8 @@ def test_kept_prompts_give_their_pages_back_before_anybody_waits_or_is_preempted
 
 def test_a_growing_sequence_takes_a_kept_prompts_pages_before_it_is_preempted(pair):
     """40 pages of 4 positions, a kept 66-token prompt holding 17: a 20-token prompt growing to 120 tokens
-    (30 pages) takes them as it grows - no preemption, the entry gone."""
+    (30 pages) takes them as it grows - no preemption, the entry gone (its own state, 119 tokens, kept when it
+    finishes)."""
     page = page_bytes(pair[0], page_size=4)
     engine = engine_for(pair[0], max_slots=2, max_model_len=128, page_size=4, kv_cache_memory=40 * page)
     kept, short = prompts(VOCAB, [66, 20], seed=12)
@@ -255,7 +347,7 @@ def test_a_growing_sequence_takes_a_kept_prompts_pages_before_it_is_preempted(pa
     got = engine.generate([short], SamplingParams(max_new_tokens=100, ignore_eos=True))[0][0].token_ids
     want = engine_for(pair[0], prefix_cache=0, max_slots=2, max_model_len=128, page_size=4).generate(
         [short], SamplingParams(max_new_tokens=100, ignore_eos=True))[0][0].token_ids
-    assert got == want and engine.stats["preemptions"] == 0 and len(engine.scheduler.prefix) == 0
+    assert got == want and engine.stats["preemptions"] == 0 and kept_lengths(engine) == [119]
     assert drained(engine)
 
 

@@ -233,7 +233,7 @@ class Engine:
         events = [StepEvent(seq.request_id, (), "cancelled") for seq in plan.cancelled]
         self.stats["preemptions"] += len(plan.preempted)
         if not plan.runs_anything:
-            self.runner.map_pages(plan)
+            self.runner.begin(plan)
             if overlap is not None:
                 overlap()
             self._busy = self.has_work()
@@ -335,8 +335,8 @@ class Engine:
             kept_logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in logprobs[:len(kept)])
             seq.logprobs.extend(kept_logprobs)
         self.stats["generated_tokens"] += len(kept)
-        if reason:
-            self.scheduler.finish(seq, reason)
+        if reason:  # (a run cut short left the slot's state past its last token: not kept)
+            self.scheduler.finish(seq, reason, exact=len(kept) == len(tokens))
         events.append(StepEvent(seq.request_id, tuple(kept), reason, kept_logprobs))
 
     # ---- offline generation -------------------------------------------------------------

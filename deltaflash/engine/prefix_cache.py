@@ -8,7 +8,10 @@ the cache (PageAllocator.keep). A request whose prompt begins with a kept prompt
 next turn: its previous prompt, the answer, the tool's result) starts from there: its slot takes the saved state
 (SlotPool.restore), holds the kept prompt's whole pages with the cache, gets a copy of the partial last
 one, and prefills only the rest. Sequences write only at or past their committed length, so the positions a
-kept prompt's pages hold for it are never written.
+kept prompt's pages hold for it are never written. A finished request's state is kept the same way, as the prompt
+of its tokens but the last (its pending token, never fed): a chat's next turn sends the answer back, and prefills
+only its new message (Scheduler.finish; not where the last round ran past a stop token - the state is then not
+the answer's).
 
 Prompts that share only a beginning (two questions after one system prompt) part where no prefill stopped.
 The second of them makes that point one: a request whose prompt shares at least `BRANCH_MIN_TOKENS` more tokens
@@ -17,7 +20,8 @@ tokens, down to a multiple of `BRANCH_ALIGN` and short of its last token - in a 
 there is kept like a prompt's (Scheduler._snapshots). Every later prompt with that beginning starts from it. The
 price, a chunk boundary in one prefill, is paid once per beginning. Where the other prompt is still being
 prefilled and not past that point (a burst of questions after one system prompt), it is the one that stops there,
-and the request waits for that state (Scheduler._awaits_branch): the beginning is prefilled once.
+and the request waits for that state (Scheduler._awaits_branch; the requests behind it in the queue start
+meanwhile): the beginning is prefilled once.
 
 Kept prompts are found by the keys of their blocks of BRANCH_ALIGN tokens (a hash chained over them): a lookup
 hashes the blocks a prompt shares with kept ones and compares it with the few kept prompts that end there, not

@@ -376,6 +376,13 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
+    def begin(self, plan: StepPlan) -> None:
+        """What a plan does first, whether or not it runs anything: the finished sequences' states the prefix cache
+        keeps saved (before their slots are reset for others), then its page changes (map_pages)."""
+        for slot, row in plan.saves:
+            self.pool.save(slot, row)
+        self.map_pages(plan)
+
     def map_pages(self, plan: StepPlan) -> None:
         """The plan's page changes on the device: released slots' entries to the sink, then the grants."""
         self.pool.tables.update(plan.released, plan.pages)
@@ -387,7 +394,7 @@ class ModelRunner:
         runs while the device computes. `follows`: the engine had work since the previous step (the
         device's wait between the two is measured: StepResult.device_idle_s)."""
         self.idle_clock.begin(follows)
-        self.map_pages(plan)
+        self.begin(plan)
         for seq in plan.admitted:
             self.pool.reset(seq.slot)
             if self.source is not None:

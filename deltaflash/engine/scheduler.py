@@ -15,7 +15,8 @@ for it and is forked from it in the step that completes the prompt (engine/share
 with a prompt the prefix cache keeps starts from its state and prefills only the rest, and the state of each
 prompt a step completes is kept, and of each branch point a prefill reaches (engine/prefix_cache.py: a prompt
 sharing a long beginning with a kept one stops its prefill where they part, once; one sharing it with a prompt
-being prefilled waits for that prefill to stop there). A preempted sequence
+being prefilled waits for that prefill to stop there). Requests that wait for another's prefill are passed
+over in the queue, a slot left for each: those behind them start meanwhile. A preempted sequence
 gives back its slot and pages and waits at the head of the queue; when readmitted, its prompt and generated
 tokens are prefilled again (nothing is emitted twice). The runner executes the resulting `StepPlan`; the engine applies the results.
 """
@@ -102,6 +103,8 @@ class StepPlan:
     admitted: sequences given a slot this step (the runner resets those slots first).
     cancelled: sequences retired before the step (their slots and pages are free again).
     preempted: sequences sent back to the queue this step to free pages (slot and pages given back).
+    saves: (slot, row) - the states of sequences finished since the last plan that the prefix cache keeps, which
+        the runner copies to those rows of saved state before anything else (the slots may be taken again).
     released: slots whose pages were given back since the last plan (the runner points their table
         entries at the sink first, so no stale entry can reach a page another sequence now holds).
     pages: (slot, table index, page) entries granted this step (the runner maps them after that).
@@ -117,6 +120,7 @@ class StepPlan:
     admitted: tuple[Sequence, ...] = ()
     cancelled: tuple[Sequence, ...] = ()
     preempted: tuple[Sequence, ...] = ()
+    saves: tuple[tuple[int, int], ...] = ()
     released: tuple[int, ...] = ()
     pages: tuple[tuple[int, int, int], ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
@@ -158,6 +162,7 @@ class Scheduler:
         self.shares = PromptShares()  # who waits to fork from whom (config.share_prompts)
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
         self._branches: dict[str, int] = {}  # request id -> the branch point its prefill stops at (prefix_cache.py)
+        self._saves: list[tuple[int, int]] = []  # (slot, row): finished sequences' states the prefix cache keeps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -177,9 +182,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence: its slot and pages are free for the next admission."""
+    def finish(self, seq: Sequence, reason: str, exact: bool = False) -> None:
+        """Retire a sequence: its slot and pages are free for the next admission. `exact`: its slot's state is
+        that of its tokens before the pending one (no round went on past its last output token): the prefix cache
+        keeps it, for a next turn that sends the answer back (the runner saves it first thing next step)."""
         seq.finish_reason, seq.status = reason, Status.FINISHED
+        if exact and self.prefix is not None and len(seq.output_ids) > 1 and seq.position >= MIN_TOKENS:
+            tokens = np.concatenate([seq.prompt_array, np.asarray(seq.output_ids[:-1], dtype=np.int64)])
+            row = self._keep(tokens, seq.slot)
+            if row is not None:
+                self._saves.append((seq.slot, row))
         self._free(seq)
         self.running.pop(seq.request_id, None)
         self.shares.forget(seq)
@@ -197,20 +209,25 @@ class Scheduler:
         decode, (widths, round_width, tree_budget), preempted, short = self._make_room()
         grants = [g for slot, tokens in short for g in self.pages.grow(slot, tokens)]
         admitted, restores, size = [], [], self.config.page_size
-        while not preempted and self.waiting and self.slots.num_free:  # no readmission in a step that preempts
-            seq = self.waiting[0]
+        # requests that wait for another's prefill (a leader's prompt, a branch point) are passed over - those behind
+        # them need not wait for it too - and a slot is left for each: the queue's first `passed` requests
+        passed = 0
+        while not preempted and passed < len(self.waiting) and self.slots.num_free > passed:  # (no readmission
+            seq = self.waiting[passed]                                                      # in a step that preempts)
             if self._follows(seq):
-                break  # it forks when its leader's prompt is done (_forks)
+                passed += 1  # it forks when its leader's prompt is done (_forks)
+                continue
             kept, branch = self._kept_prefix(seq)
             start = len(kept.tokens) if kept is not None else 0  # positions the kept prompt's pages hold
             if self._awaits_branch(seq, start):
-                break  # it starts where a prompt prefilling now stops for it
+                passed += 1  # it starts where a prompt prefilling now stops for it
+                continue
             need = pages_for(seq.prefill_len, size) - start // size
             while need > self.pages.num_free - (self.watermark if self.running else 0) and self._evict(kept):
                 pass
             if need > self.pages.num_free - (self.watermark if self.running else 0):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # first come, first served: nobody overtakes a request waiting for pages
+            del self.waiting[passed]
             seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, start
             seq.cached_tokens = start
             if branch:
@@ -225,13 +242,14 @@ class Scheduler:
             self.running[seq.request_id] = seq
             admitted.append(seq)
         released, self._released = tuple(self._released), []
+        saves, self._saves = tuple(self._saves), []
         budget = self.prefill_budget(len(decode), round_width)
         fill = bool(decode) and self._scaled(round_width) and bool(self.config.prefill_graphs)
         prefill = tuple(self._prefill_chunks(budget, self.prefill_slack(budget, len(decode), round_width), fill))
         budget = max(budget, sum(len(c.tokens) for c in prefill))  # (the plan's: what the step could take)
-        forks = self._forks(prefill, grants) if not preempted else ()
+        forks = self._forks(prefill, grants, passed) if not preempted else ()
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
-                        released=released, pages=tuple(grants), prefill=prefill, forks=tuple(forks),
+                        saves=saves, released=released, pages=tuple(grants), prefill=prefill, forks=tuple(forks),
                         restores=tuple(restores), snapshots=tuple(self._snapshots(prefill)),
                         decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
 
@@ -245,7 +263,7 @@ class Scheduler:
         return kept, self.prefix.branch_point(shared, len(kept.tokens) if kept is not None else 0, seq.prefill_len)
 
     def _awaits_branch(self, seq: Sequence, start: int) -> bool:
-        """Whether `seq` (the head of the queue, able to start from a kept prompt of `start` tokens) waits for a
+        """Whether `seq` (waiting, able to start from a kept prompt of `start` tokens) waits for a
         prompt being prefilled to reach the end of the beginning they share, to start from there: where that
         skips BRANCH_MIN_TOKENS more (PrefixCache.branch_point) and the other prefill is not past that point,
         it stops there (its branch point, unless it has another) and its state is kept - a burst of questions
@@ -289,21 +307,29 @@ class Scheduler:
                 tokens = seq.prompt_array
             else:
                 continue
-            keys = self.prefix.keys(tokens)
-            kept = self.prefix.kept(tokens, keys)
-            if kept is not None:
-                self.prefix.touch(kept)
-                continue
-            pages = self.pages.held[seq.slot][:pages_for(len(tokens), self.config.page_size)]
-            entry = self.prefix.add(tokens, pages, keys)
-            if entry is None and self._evict():
-                entry = self.prefix.add(tokens, pages, keys)
-            self.pages.keep(pages)
-            snapshots.append(Snapshot(seq, entry.row))
+            row = self._keep(tokens, seq.slot)
+            if row is not None:
+                snapshots.append(Snapshot(seq, row))
         return snapshots
 
+    def _keep(self, tokens: np.ndarray, slot: int) -> int | None:
+        """`tokens`, whose state slot `slot` holds (or will after this step's prefill), kept by the prefix cache
+        with the pages holding them: the row of saved state to copy that state to (the least recently used entry
+        evicted when none is free), or None where they are kept already (only marked used)."""
+        keys = self.prefix.keys(tokens)
+        kept = self.prefix.kept(tokens, keys)
+        if kept is not None:
+            self.prefix.touch(kept)
+            return None
+        pages = self.pages.held[slot][:pages_for(len(tokens), self.config.page_size)]
+        entry = self.prefix.add(tokens, pages, keys)
+        if entry is None and self._evict():
+            entry = self.prefix.add(tokens, pages, keys)
+        self.pages.keep(pages)
+        return entry.row
+
     def _follows(self, seq: Sequence) -> bool:
-        """Whether `seq` (the head of the queue) waits for its leader, which is prefilling their prompt. A
+        """Whether `seq` (waiting) waits for its leader, which is prefilling their prompt. A
         follower whose leader is anywhere else goes on alone (PromptShares keeps leaders ahead of their
         followers: a leader waiting is ahead in the queue, so this is only a safeguard)."""
         leader = self.shares.leader(seq)
@@ -312,25 +338,30 @@ class Scheduler:
             return False
         return leader is not None
 
-    def _forks(self, chunks: tuple[PrefillChunk, ...], grants: list[tuple[int, int, int]]) -> list[Fork]:
+    def _forks(self, chunks: tuple[PrefillChunk, ...], grants: list[tuple[int, int, int]], passed: int) -> list[Fork]:
         """The step's forks: the sequences at the head of the queue whose leader's prompt one of the `chunks`
-        completes, while slots and pages (within the watermark) are free, in queue order. A fork holds the
+        completes, while slots and pages (within the watermark) are free, in queue order - past the queue's first
+        `passed` requests that wait for another prefill (schedule), a slot left for each. A fork holds the
         leader's whole prompt pages with it and takes a page of its own for the rest; its page entries go into
         `grants`. Then those leaders lead no more: their followers left go on alone (PromptShares.forget)."""
         ending = {id(c.seq): i for i, c in enumerate(chunks) if c.emits}
         if not ending:
             return []
-        forks, size = [], self.config.page_size
-        while self.waiting and self.slots.num_free:
-            seq = self.waiting[0]
+        forks, size, i = [], self.config.page_size, 0
+        while i < len(self.waiting) and self.slots.num_free > i:
+            seq = self.waiting[i]
             leader = self.shares.leader(seq)
             if leader is None or id(leader) not in ending:
-                break
+                if i >= passed:
+                    break
+                i += 1
+                continue
             n = len(seq.prompt_ids)
             whole = n // size  # pages the prompt fills: held with the leader; a partial last one is copied
             if pages_for(n, size) - whole > self.pages.num_free - self.watermark:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            passed -= i < passed
             self.shares.forget(seq)
             seq.slot, seq.status, seq.num_prefilled = self.slots.take(), Status.PREFILLING, n
             seq.cached_tokens = n

@@ -2,13 +2,14 @@
 
 A request whose prompt equals that of a sequence still before the end of its prefill (the n samples of one
 prompt; clients sending the same prompt) *follows* that sequence, its *leader*, instead of prefilling the
-prompt again. In the step whose prefill completes the leader's prompt, the scheduler forks the followers at
-the head of the queue (Scheduler._forks): each takes a slot of its own, which the runner fills with the
+prompt again (requests behind it in the queue are not held up meanwhile). In the step whose prefill completes
+the leader's prompt, the scheduler forks the followers at the head of the queue, past requests waiting for
+another prefill too (Scheduler._forks): each takes a slot of its own, which the runner fills with the
 leader's fixed-size state (conv history, recurrent state), the leader's whole prompt pages held with it
 (PageAllocator.share: a sequence writes only at or past its committed length) and a copy of the partial
 last page; its first token is sampled, with its own parameters and noise, from the logits of the leader's
 last prompt row - the logits its own prefill would have ended with. A follower that cannot fork then (no
-free slot or pages, or a request ahead of it still waiting) goes on alone and prefills its prompt itself;
+free slot or pages, or a request ahead of it waiting for pages) goes on alone and prefills its prompt itself;
 the first of the leader's followers left leads the others.
 
 Only a prompt's own samples share it: a follower asking for prompt logprobs follows a leader asking for

@@ -70,25 +70,30 @@ def test_prompts_that_begin_with_a_kept_prompt_prefill_only_the_rest(pair, specu
     assert kept_lengths(cached, turns) == [100, 120, 137, 157] and drained(cached)  # a, a+c, a+b, a+b+c
 
 
-@pytest.mark.parametrize("drafts, stop", [("scripted", False), ("scripted", True), ("target-only", True),
-                                          ("dflash", False)],
-                         ids=["rounds-end-on-the-answer", "a-round-past-the-answer", "target-only", "dflash"])
+@pytest.mark.parametrize("drafts, stop", [("scripted", None), ("scripted", "last"), ("scripted", "inside"),
+                                          ("target-only", "inside"), ("dflash", None)],
+                         ids=["rounds-end-on-the-answer", "stop-on-the-last-draft", "stop-inside-a-round",
+                              "target-only", "dflash"])
 def test_a_next_turn_sending_the_answer_back_starts_after_it(pair, drafts, stop):
     """Turns that carry the previous answer back (prompt, answer, a new message), one by one: a finished sequence's
-    state - its tokens but the pending last one - is kept, so the next turn prefills only its new message. The
-    scripted drafts are the target's own greedy text, accepted whole: rounds of 6 tokens after the first, so 19
-    new tokens end on a round; a stop token inside the third round cuts it short - the state went on past the
-    answer, so it is not kept and the next turn starts from the previous prompt. The slot is taken again at once
-    (the state is saved before its reset). Outputs equal target-only without the cache."""
+    state is kept, so the next turn prefills only its new message. The scripted drafts are the target's own greedy
+    text, accepted whole: rounds of 6 tokens (5 drafts, the bonus token) after the first token, so 19 new tokens
+    end on a round (the state holds the answer but its last token, never fed). A stop token at index `stop` cuts
+    the third round (indices 13-18): on its last draft (17) only the bonus token is dropped and the state holds the
+    whole answer, its stop token too; inside it (13-16), the state went on past the answer - not kept, the next turn
+    starts from the previous prompt. The slot is taken again at once (the state is saved before its reset).
+    Outputs equal target-only without the cache."""
     a, b, c = prompts(VOCAB, [100, 30, 20], seed=5)
     plain = engine_for(pair[0], max_model_len=512, prefix_cache=0)
     turns, scripts, sampling = [a], {}, []
     for message in (b, c, None):
         script = plain.generate([turns[-1]], SamplingParams(max_new_tokens=27, ignore_eos=True, temperature=0.0))
         scripts[tuple(turns[-1])] = script = script[0][0].token_ids
-        end = next(i for i in range(13, 18) if script[i] not in script[:i]) + 1 if stop else 19  # (round 3: 13..18)
+        first = [i for i in range(13, 18) if script[i] not in script[:i]]  # where a stop token would first be met
+        end = {None: 19, "last": 18, "inside": first[0] + 1}[stop]
+        assert (stop != "last" or 17 in first) and first[0] < 17  # (the seed's)
         sampling.append(SamplingParams(max_new_tokens=19, ignore_eos=True, temperature=0.0,
-                                       stop_token_ids=(script[end - 1],) if stop else ()))
+                                       stop_token_ids=() if stop is None else (script[end - 1],)))
         if message is not None:
             turns.append(turns[-1] + script[:end] + message)
     source = ScriptedSource(scripts, 6, VOCAB) if drafts == "scripted" else None
@@ -102,8 +107,8 @@ def test_a_next_turn_sending_the_answer_back_starts_after_it(pair, drafts, stop)
         fresh = engine_for(pair[0], draft, max_model_len=512, prefix_cache=0)
         assert [g.accepted_lengths for g in got] == \
             [fresh.generate([t], s)[0][0].accepted_lengths for t, s in zip(turns, sampling)]
-    kept = source is None or not stop
-    starts = [len(t) + (len(g.token_ids) - 1 if kept else 0) for t, g in zip(turns, got)][:2]
+    held = {None: -1, "last": 0, "inside": None}[stop] if source is not None else -1  # answer tokens it misses
+    starts = [len(t) + (len(g.token_ids) + held if held is not None else 0) for t, g in zip(turns, got)][:2]
     assert engine.stats["cached_prompt_tokens"] == sum(starts)
     assert engine.stats["prefill_tokens"] == sum(len(t) for t in turns) - sum(starts)
     assert drained(engine)

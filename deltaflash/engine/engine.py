@@ -335,8 +335,8 @@ class Engine:
             kept_logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in logprobs[:len(kept)])
             seq.logprobs.extend(kept_logprobs)
         self.stats["generated_tokens"] += len(kept)
-        if reason:  # (a run cut short left the slot's state past its last token: not kept)
-            self.scheduler.finish(seq, reason, exact=len(kept) == len(tokens))
+        if reason:
+            self.scheduler.finish(seq, reason, dropped=len(tokens) - len(kept))
         events.append(StepEvent(seq.request_id, tuple(kept), reason, kept_logprobs))
 
     # ---- offline generation -------------------------------------------------------------

@@ -9,9 +9,9 @@ next turn: its previous prompt, the answer, the tool's result) starts from there
 (SlotPool.restore), holds the kept prompt's whole pages with the cache, gets a copy of the partial last
 one, and prefills only the rest. Sequences write only at or past their committed length, so the positions a
 kept prompt's pages hold for it are never written. A finished request's state is kept the same way, as the prompt
-of its tokens but the last (its pending token, never fed): a chat's next turn sends the answer back, and prefills
-only its new message (Scheduler.finish; not where the last round ran past a stop token - the state is then not
-the answer's).
+of its tokens but the last (its pending token, never fed; or all of them, where a stop token ended the last
+round's accepted drafts): a chat's next turn sends the answer back, and prefills only its new message
+(Scheduler.finish; not where a stop token came earlier among those drafts - the round's state went on past it).
 
 Prompts that share only a beginning (two questions after one system prompt) part where no prefill stopped.
 The second of them makes that point one: a request whose prompt shares at least `BRANCH_MIN_TOKENS` more tokens

@@ -182,14 +182,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str, exact: bool = False) -> None:
-        """Retire a sequence: its slot and pages are free for the next admission. `exact`: its slot's state is
-        that of its tokens before the pending one (no round went on past its last output token): the prefix cache
-        keeps it, for a next turn that sends the answer back (the runner saves it first thing next step)."""
+    def finish(self, seq: Sequence, reason: str, dropped: int | None = None) -> None:
+        """Retire a sequence: its slot and pages are free for the next admission. `dropped`: how many of the
+        tokens its last step produced the output did not take (a stop token or the grammar's end cut them off;
+        None: retired between steps). A step commits the state through all of them but the last, so the slot's
+        state holds the sequence's tokens but the pending one (none dropped) or all of them (the last dropped):
+        the prefix cache keeps it, for a next turn that sends the answer back (the runner saves it first thing
+        next step). Where more were dropped the state is past the answer's end."""
         seq.finish_reason, seq.status = reason, Status.FINISHED
-        if exact and self.prefix is not None and len(seq.output_ids) > 1 and seq.position >= MIN_TOKENS:
-            tokens = np.concatenate([seq.prompt_array, np.asarray(seq.output_ids[:-1], dtype=np.int64)])
-            row = self._keep(tokens, seq.slot)
+        held = seq.position + dropped if dropped is not None and dropped <= 1 else 0  # tokens the state holds
+        if self.prefix is not None and held >= MIN_TOKENS and held > len(seq.prompt_ids):
+            answer = np.asarray(seq.output_ids[:held - len(seq.prompt_ids)], dtype=np.int64)
+            row = self._keep(np.concatenate([seq.prompt_array, answer]), seq.slot)
             if row is not None:
                 self._saves.append((seq.slot, row))
         self._free(seq)

@@ -225,6 +225,7 @@ def test_a_branch_point_is_made_once_and_only_where_it_pays():
     assert cache.branch_point(384, 0, 384) == 320  # an exact repeat: short of the last token
     assert cache.branch_point(1024, 320, 700) == 640 and cache.branch_point(575, 320, 700) == 0
     assert cache.kept(b[:256]) is kept and cache.kept(b[:257]) is None and cache.kept(a) is not None
+    assert cache.keys(a, cache.keys(a[:150])) == cache.keys(a) and cache.keys(a, cache.keys(a[:64])) == cache.keys(a)
     assert cache.evict(keep=cache.kept(a)) is kept  # the least recently used but the one kept
     assert cache.match(b) == (None, 256) and cache.kept(b[:256]) is None
     cache.evict()

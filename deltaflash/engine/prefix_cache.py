@@ -61,11 +61,12 @@ class CachedPrompt:
     keys: list[int]
 
 
-def block_keys(tokens: np.ndarray, block: int) -> Iterator[int]:
+def block_keys(tokens: np.ndarray, block: int, key: int = 0) -> Iterator[int]:
     """The keys of tokens' whole blocks of `block` tokens, in order: key k stands for the first k + 1 blocks (a
-    hash chained over them; a kept prompt found by its key is compared with the tokens before it is used)."""
+    hash chained over them, from `key`: that of the blocks before `tokens`, 0 for none; a kept prompt found by its
+    key is compared with the tokens before it is used)."""
     width = block * tokens.itemsize
-    data, key = tokens[:len(tokens) // block * block].tobytes(), 0
+    data = tokens[:len(tokens) // block * block].tobytes()
     for start in range(0, len(data), width):
         key = hash((key, data[start:start + width]))
         yield key
@@ -111,9 +112,11 @@ class PrefixCache:
                 best = entry
         return best
 
-    def keys(self, tokens: np.ndarray) -> list[int]:
-        """The keys of tokens' whole blocks (kept and add take them, computed once)."""
-        return list(block_keys(tokens, self.block))
+    def keys(self, tokens: np.ndarray, known: list[int] | tuple = ()) -> list[int]:
+        """The keys of tokens' whole blocks (kept and add take them, computed once); `known`: those of their first
+        len(known) blocks, computed before (a finished request's prompt's: only its answer's blocks are hashed)."""
+        rest = block_keys(tokens[len(known) * self.block:], self.block, known[-1] if known else 0)
+        return [*known, *rest]
 
     def kept(self, tokens: np.ndarray, keys: list[int] | None = None) -> CachedPrompt | None:
         """The entry of exactly these tokens (whose block keys are `keys`), if any."""

@@ -163,6 +163,7 @@ class Scheduler:
         self.prefix = PrefixCache(config.prefix_cache) if config.prefix_cache else None
         self._branches: dict[str, int] = {}  # request id -> the branch point its prefill stops at (prefix_cache.py)
         self._saves: list[tuple[int, int]] = []  # (slot, row): finished sequences' states the prefix cache keeps
+        self._prompt_keys: dict[str, list[int]] = {}  # request id -> its prompt's block keys, once it was prefilled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -193,7 +194,8 @@ class Scheduler:
         held = seq.position + dropped if dropped is not None and dropped <= 1 else 0  # tokens the state holds
         if self.prefix is not None and held >= MIN_TOKENS and held > len(seq.prompt_ids):
             answer = np.asarray(seq.output_ids[:held - len(seq.prompt_ids)], dtype=np.int64)
-            row = self._keep(np.concatenate([seq.prompt_array, answer]), seq.slot)
+            tokens = np.concatenate([seq.prompt_array, answer])
+            row = self._keep(tokens, self.prefix.keys(tokens, self._prompt_keys.get(seq.request_id, ())), seq.slot)
             if row is not None:
                 self._saves.append((seq.slot, row))
         self._free(seq)
@@ -202,6 +204,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self._branches.pop(seq.request_id, None)
+        self._prompt_keys.pop(seq.request_id, None)
         if seq.slot >= 0:
             self.pages.release(seq.slot)
             self._released.append(seq.slot)
@@ -311,16 +314,19 @@ class Scheduler:
                 tokens = seq.prompt_array
             else:
                 continue
-            row = self._keep(tokens, seq.slot)
+            keys = self.prefix.keys(tokens)
+            if tokens is seq.prompt_array:
+                self._prompt_keys[seq.request_id] = keys  # (its answer's entry goes on from them: finish)
+            row = self._keep(tokens, keys, seq.slot)
             if row is not None:
                 snapshots.append(Snapshot(seq, row))
         return snapshots
 
-    def _keep(self, tokens: np.ndarray, slot: int) -> int | None:
-        """`tokens`, whose state slot `slot` holds (or will after this step's prefill), kept by the prefix cache
-        with the pages holding them: the row of saved state to copy that state to (the least recently used entry
-        evicted when none is free), or None where they are kept already (only marked used)."""
-        keys = self.prefix.keys(tokens)
+    def _keep(self, tokens: np.ndarray, keys: list[int], slot: int) -> int | None:
+        """`tokens` (whose blocks' keys are `keys`), whose state slot `slot` holds (or will after this step's
+        prefill), kept by the prefix cache with the pages holding them: the row of saved state to copy that state to
+        (the least recently used entry evicted when none is free), or None where they are kept already (only marked
+        used)."""
         kept = self.prefix.kept(tokens, keys)
         if kept is not None:
             self.prefix.touch(kept)

@@ -383,6 +383,7 @@ class ModelRunner:
             self.pool.save(slot, row)
         self.map_pages(plan)
 
+    @torch.inference_mode()
     def map_pages(self, plan: StepPlan) -> None:
         """The plan's page changes on the device: released slots' entries to the sink, then the grants."""
         self.pool.tables.update(plan.released, plan.pages)

@@ -307,6 +307,8 @@ def main() -> None:
         slots["round_graphs"] = args.round_graphs
     if args.tree_budget:
         slots["tree_budget"] = args.tree_budget
+    if args.ttft:  # its prompts repeat: each timing prefills its whole prompt, not the rest after a kept state
+        slots["prefix_cache"] = 0
     t0 = time.perf_counter()
     if args.shape == "demo":
         engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft",

@@ -143,14 +143,15 @@ def ttft_rows(model, hf, lengths, limit_ms: float, gen) -> list[dict]:
     model's max_model_len, step and idle budgets, page pools by memory - the two engines share the
     device: a prompt at an idle engine goes in chunks of the idle budget, graphs where a chunk fits one), the same in
     chunks of the step budget (what a prompt arriving beside running streams gets), transformers' forward
-    of the prompt (last row's logits, argmax), and the compute limit."""
+    of the prompt (last row's logits, argmax), and the compute limit. The prefix cache is off in both engines: each
+    timing prefills its whole prompt (a repeat would start from the state kept by the one before)."""
     from deltaflash.engine.config import EngineConfig
     from deltaflash.engine.engine import Engine
 
     cfg, device = model.cfg, model.embed_tokens.weight.device
     _, read_bytes = weight_bytes(model)
     rate = matmul_tflops(device)
-    config = EngineConfig()
+    config = EngineConfig(prefix_cache=0)
     engine = Engine(model, None, None, dataclasses.replace(
         config, gpu_memory_utilization=share_of_device(device, 2, config.gpu_memory_utilization)))
     budget_chunks = Engine(model, None, None, dataclasses.replace(

@@ -78,6 +78,8 @@ for step in "$@"; do
         forks) run forks 300 python3 bench/prompt_forks.py ${FORKS_ARGS:-} ;;  # n samples of one prompt, shared or not
         burst) run burst 300 python3 bench/prompt_forks.py --questions 128 ${FORKS_ARGS:-} ;;  # n questions after one
                # system prompt at once: the prefix cache (the first prefill stops at the branch point) or not
+        others) run others 300 python3 bench/prompt_forks.py --questions 128 --others 1 ${FORKS_ARGS:-} ;;  # the same
+                # and a request of a prompt of its own after them: its TTFT (an older tree: run it from its export)
         turns) run turns 300 python3 bench/prefix_turns.py ${TURNS_ARGS:-} ;;  # an agent's turns, prefix cache or not
         answers) run answers 300 python3 bench/prefix_turns.py --answers ${TURNS_ARGS:-} ;;  # chat turns sending the
                  # answer back: a finished request's state kept, or not

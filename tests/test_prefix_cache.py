@@ -43,7 +43,7 @@ def drained(engine) -> bool:
     assert engine.page_usage[0] == 0  # (pages only the cache holds are not in use)
     engine.scheduler.clear_prefix_cache()
     s = engine.scheduler
-    return s.pages.num_free == s.pages.num_pages and not s.pages._extra.any() and not s.pages._kept.any() \
+    return not s._saves and s.pages.num_free == s.pages.num_pages and not s.pages._extra.any() and not s.pages._kept.any() \
         and s.pages.num_kept_only == 0 and s.slots.num_free == engine.config.max_slots
 
 

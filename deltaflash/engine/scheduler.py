@@ -294,9 +294,11 @@ class Scheduler:
         return entry is not None
 
     def clear_prefix_cache(self) -> None:
-        """Drop every kept prompt (the engine's warm-up requests are nobody's prefix)."""
+        """Drop every kept prompt (the engine's warm-up requests are nobody's prefix), and the finished states
+        still to be saved for them."""
         while self._evict():
             pass
+        self._saves.clear()
 
     def _snapshots(self, chunks: tuple[PrefillChunk, ...]) -> list[Snapshot]:
         """The prompts of at least MIN_TOKENS tokens the `chunks` complete, and the branch points they reach, kept

@@ -82,7 +82,8 @@ def test_a_next_turn_sending_the_answer_back_starts_after_it(pair, drafts, stop)
     the third round (indices 13-18): on its last draft (17) only the bonus token is dropped and the state holds the
     whole answer, its stop token too; inside it (13-16), the state went on past the answer - not kept, the next turn
     starts from the previous prompt. The slot is taken again at once (the state is saved before its reset).
-    Outputs equal target-only without the cache."""
+    Outputs equal target-only without the cache. (The random drafter accepts nothing: that the drafter's context of
+    the answer comes with the kept state is the demo pair's test below.)"""
     a, b, c = prompts(VOCAB, [100, 30, 20], seed=5)
     plain = engine_for(pair[0], max_model_len=512, prefix_cache=0)
     turns, scripts, sampling = [a], {}, []
@@ -103,10 +104,6 @@ def test_a_next_turn_sending_the_answer_back_starts_after_it(pair, drafts, stop)
     assert [g.token_ids for g in got] == [plain.generate([t], s)[0][0].token_ids for t, s in zip(turns, sampling)]
     if source is not None:
         assert all(g.accepted_lengths[:2] == [6, 6] for g in got)
-    if draft is not None:  # the drafter's context of the answer came with the kept state: it drafts as it would have
-        fresh = engine_for(pair[0], draft, max_model_len=512, prefix_cache=0)
-        assert [g.accepted_lengths for g in got] == \
-            [fresh.generate([t], s)[0][0].accepted_lengths for t, s in zip(turns, sampling)]
     held = {None: -1, "last": 0, "inside": None}[stop] if source is not None else -1  # answer tokens it misses
     starts = [len(t) + (len(g.token_ids) + held if held is not None else 0) for t, g in zip(turns, got)][:2]
     assert engine.stats["cached_prompt_tokens"] == sum(starts)

@@ -4,7 +4,7 @@ Uses only the engine's public API, so the same script profiles an older tree sid
 
     python bench/step_profile.py [--lanes 1] [--target-only] [--steps 100] [--max-slots N] [--max-model-len N] [--python]
         [--slowest 5] [--gc-freeze] [--split] [--ttft N [--stacks REGEX]] [--shape 9b]
-        [--tree-budget N] [--pipelined-prefill]
+        [--tree-budget N]
     (cd old-tree && PYTHONPATH=$PWD python ../bench/step_profile.py)
 
 --shape 9b / 27b: a target-only engine of that shape (random bf16 weights) instead of the demo pair, for
@@ -300,8 +300,6 @@ def main() -> None:
     ap.add_argument("--stacks", default=None, metavar="REGEX",
                     help="with --ttft: the Python lines that launch the kernels matching REGEX (eager steps only: "
                          "DELTAFLASH_NO_PREFILL_GRAPHS=1)")
-    ap.add_argument("--pipelined-prefill", action="store_true",
-                    help="the engine's 2048-row prefill graphs as two pipelined halves (EngineConfig.pipelined_prefill)")
     args = ap.parse_args()
     demo = Path(deltaflash.__file__).parent / "assets" / "demo"
     slots = {k: v for k, v in (("max_slots", args.max_slots), ("max_model_len", args.max_model_len)) if v is not None}
@@ -311,8 +309,6 @@ def main() -> None:
         slots["tree_budget"] = args.tree_budget
     if args.ttft:  # its prompts repeat: each timing prefills its whole prompt, not the rest after a kept state
         slots["prefix_cache"] = 0
-    if args.pipelined_prefill:  # (a tree without the option takes no such keyword)
-        slots["pipelined_prefill"] = True
     t0 = time.perf_counter()
     if args.shape == "demo":
         engine = Engine.from_pretrained(demo / "target", None if args.target_only else demo / "draft",

@@ -451,9 +451,6 @@ def test_config_is_resolved_once_with_the_environment():
     assert (alone.cuda_graphs, alone.prefill_graphs) == (True, False)
     with pytest.raises(DeltaflashError, match="prefill_graphs needs cuda_graphs"):
         EngineConfig(cuda_graphs=False, prefill_graphs=True).resolve(cuda, 8)
-    assert EngineConfig(pipelined_prefill=True).resolve(cuda, 8, env={}).pipelined_prefill
-    with pytest.raises(DeltaflashError, match="pipelined_prefill needs prefill_graphs"):
-        EngineConfig(pipelined_prefill=True).resolve(cuda, 8, env={"DELTAFLASH_NO_PREFILL_GRAPHS": "1"})
     # greedy rounds as one graph: with the graphs and the fused kernels, unless switched off
     assert EngineConfig().resolve(cuda, 8, env={}).round_graphs is True
     assert EngineConfig().resolve(cpu, 8, env={}).round_graphs is False

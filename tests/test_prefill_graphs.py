@@ -15,7 +15,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from deltaflash.core.batch import ExtendBatch
 from deltaflash.core.request import SamplingParams
-from deltaflash.engine import runner as runner_module
 from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed,
                                       prefill_graph_buckets, prefill_graph_for, prefill_lane_buckets, prefill_shapes)
 from deltaflash.ops.attention.paged import paged_attention_kernel
@@ -152,27 +151,15 @@ def test_pipelined_halves_give_the_halves_one_after_another(pair, split, dense):
     assert not torch.equal(run(lambda: model.extend(second, pool, kernels)[0])[0], serial[0])  # (it reads the first)
 
 
-@pytest.mark.parametrize("kind, pipelined", [("dense_gqa", False), ("moe", False), ("dense_gqa", True)],
-                         ids=["dense_gqa", "moe", "pipelined-halves"])
-def test_prefill_graphs_give_the_eager_prefill(pairs, kind, pipelined, monkeypatch):
+@pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
+def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     """Ragged prompts arriving while others decode: steps that fit a graph shape replay it (padding lanes
     among them, on a slot of a decoding sequence), the rest run eagerly; every token and its log
-    probability, greedy and sampled, and the draft context equal the eager engine's. Dense and MoE; and with
-    the graphs of 128 rows or more run as pipelined halves (EngineConfig.pipelined_prefill; lanes whose rows end
-    in the first half among them)."""
+    probability, greedy and sampled, and the draft context equal the eager engine's. Dense and MoE."""
     target, draft = pairs[kind]
     config = dict(max_slots=10, max_num_batched_tokens=256, idle_prefill_tokens=256)
     plain = engine_for(target, draft, prefill_graphs=False, **config)
-    if pipelined:  # (the graph shapes here stop at 256 rows)
-        monkeypatch.setattr(runner_module, "PIPELINED_MIN_ROWS", 128)
-        config["pipelined_prefill"] = DEVICE == "cuda"  # (it needs prefill graphs: on the CPU, set below)
     graphed = engine_for(target, draft, **config)  # real graphs on CUDA; on the CPU Replays stands in
-    piped = []  # (CPU) the valid rows of each lane's two halves, per pipelined step
-    if pipelined:
-        graphed.runner.pipelined_rows = 128
-        model, halves = graphed.runner.model, graphed.runner.model.extend_pipelined
-        monkeypatch.setattr(model, "extend_pipelined", lambda batches, *args, **kwargs: piped.append(
-            [b.n_rows.tolist() for b in batches]) or halves(batches, *args, **kwargs))
     replays = Replays(graphed)
     # the same plans (the scheduler cuts chunks to the graphs it knows of): replays against eager launches
     plain.scheduler.config = dataclasses.replace(plain.scheduler.config, prefill_graphs=True)
@@ -225,30 +212,6 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind, pipelined, monkeypat
     rows = {s.labels["path"]: s.value for s in samples if s.name == "deltaflash_prefill_rows_total"}
     prefilled = next(s.value for s in samples if s.name == "deltaflash_prefill_tokens_per_step_sum")
     assert prefilled == graphed.stats["prefill_tokens"] < rows["graph"] + rows["eager"]  # the padding rows
-    if pipelined and DEVICE == "cpu":
-        assert any(b > 0 for first, second in piped for b in second)  # (a lane in both halves)
-
-
-def test_a_lane_ending_in_the_first_pipelined_half_takes_its_logits_from_it(pair, monkeypatch):
-    """Pipelined halves (EngineConfig.pipelined_prefill, here for graphs of 128 rows or more): two prompts in one
-    step of the 2 x 128-row graph, one ending in the first half - its second half runs no row and keeps its state,
-    and its first token comes from the first half's logits. Greedy outputs and GDN state equal the same steps'
-    without halves."""
-    monkeypatch.setattr(runner_module, "PIPELINED_MIN_ROWS", 128)
-    config = dict(max_slots=4, max_num_batched_tokens=256, idle_prefill_tokens=256)
-    engines = [engine_for(pair[0], **config), engine_for(pair[0], **config, pipelined_prefill=DEVICE == "cuda")]
-    engines[1].runner.pipelined_rows = 128  # (on the CPU, where the config cannot ask for it without graphs)
-    piped, halves = [], engines[1].runner.model.extend_pipelined
-    monkeypatch.setattr(engines[1].runner.model, "extend_pipelined", lambda batches, *args, **kwargs: piped.append(
-        [b.n_rows.tolist() for b in batches]) or halves(batches, *args, **kwargs))
-    replays = [Replays(e) for e in engines]
-    batch = prompts(96, [120, 30], seed=6)
-    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    plain, got = ([c.token_ids for c in e.generate(batch, greedy)[0]] for e in engines)
-    assert got == plain and replays[1].shapes[0] == 128 and sorted(replays[1].calls[0]) == [0, 1]
-    torch.testing.assert_close(engines[1].pool.recurrent_state, engines[0].pool.recurrent_state, rtol=1e-4, atol=1e-4)
-    if DEVICE == "cpu":
-        assert [sorted(lanes) for lanes in piped[0]] == [[30, 64], [0, 56]]
 
 
 def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):

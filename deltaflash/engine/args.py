@@ -70,9 +70,6 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="launch configs of fla-core's chunked prefill kernels by rows (bench/tune_fla.py): auto "
                         "(default) = $DELTAFLASH_FLA_TILES if set, else the table shipped for this GPU, if any; off = "
                         "fla-core's autotuner; or the path of a table")
-    p.add_argument("--pipelined-prefill", action="store_true",
-                   help="prefill graphs of 2048 rows run each chunk as two halves whose layers take turns on two CUDA "
-                        "streams (one half's small kernels under the other's GEMMs; opt-in: not measured yet)")
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -110,8 +107,7 @@ def speculation_config(args) -> dict:
 
 def kernel_config(args) -> dict:
     """The EngineConfig fields of `add_kernel_args`' flags."""
-    return {"batch_invariant": args.batch_invariant, "skinny_gemm": args.skinny_gemm, "fla_tiles": args.fla_tiles,
-            "pipelined_prefill": args.pipelined_prefill}
+    return {"batch_invariant": args.batch_invariant, "skinny_gemm": args.skinny_gemm, "fla_tiles": args.fla_tiles}
 
 
 def scheduler_config(args) -> dict:

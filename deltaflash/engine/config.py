@@ -97,10 +97,6 @@ class EngineConfig:
     prefill_graphs: also replay prefill steps from graphs of fixed chunk shapes (lanes x a multiple of
         64 rows, engine/runner.py: prefill_shapes); steps that fit none, or would pad more than about
         twice their rows, run eagerly. None = with cuda_graphs unless DELTAFLASH_NO_PREFILL_GRAPHS=1.
-    pipelined_prefill: prefill graphs of at least graphs.PIPELINED_MIN_ROWS rows run each chunk as two halves
-        whose layers take turns on two CUDA streams (Qwen35Model.extend_pipelined: one half's bandwidth- and
-        latency-bound kernels beside the other's GEMMs; the arithmetic of two chunks). Off by default until its
-        device time is measured against the whole chunk's (bench/prefill_halves.py).
     round_graphs: a greedy round (every lane greedy, no logit rules, no logprobs, fused kernels, a
         DFlash drafter, one rank) replays one CUDA graph per chain width, or per tree budget - the
         drafter's block (and trees), the verify forward, acceptance, the state commit (and a tree's K/V
@@ -144,7 +140,6 @@ class EngineConfig:
     kernels: str = "auto"
     cuda_graphs: bool | None = None
     prefill_graphs: bool | None = None
-    pipelined_prefill: bool = False
     batch_invariant: bool = False
     skinny_gemm: str = "auto"
     fla_tiles: str = "auto"
@@ -180,8 +175,6 @@ class EngineConfig:
             else self.prefill_graphs
         if prefill_graphs and not graphs:
             raise DeltaflashError("prefill_graphs needs cuda_graphs")
-        if self.pipelined_prefill and not prefill_graphs:
-            raise DeltaflashError("pipelined_prefill needs prefill_graphs")
         round_graphs = graphs and kernels == "triton" and not _env_flag(env, ENV_NO_ROUND_GRAPHS) \
             if self.round_graphs is None else self.round_graphs
         if round_graphs and not (graphs and kernels == "triton"):

@@ -51,11 +51,6 @@ EAGER_DENSE_MIN_ROWS = 1024
 # Whether a step replays a graph at all is judged at its power-of-two bucket (prefill_graph_for): these
 # buckets only pad less, they never turn an eager step into a padded replay.
 PREFILL_FINE_MIN_ROWS = 128
-# With EngineConfig.pipelined_prefill, prefill graphs of at least this many rows run their chunks as two halves
-# whose layers take turns on two streams (Qwen35Model.extend_pipelined): the second half's layer l beside the
-# first's layer l + 1, so one half's fla-core kernels, norms, conv and activation can run under the other's GEMMs.
-# A 1024-row half of the 9B shape still runs its GEMMs near cuBLAS's full rate.
-PIPELINED_MIN_ROWS = 2048
 
 
 def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -29,8 +29,7 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import MAX_LOGPROBS, RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS, FRESH_PREFILL_MIN_ROWS,
-                                      PIPELINED_MIN_ROWS, PREFILL_ROWS,
+from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS,
                                       CudaGraphs, buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import Fork, PrefillChunk, Restore, StepPlan
@@ -216,10 +215,6 @@ class ModelRunner:
                     first_chunks = functools.partial(self._prefill_rows, starts_sequences=True)
                     self.fresh_prefill_graphs[T] = self.graphs.add(f"first prefill chunk of {T} rows", first_chunks,
                                                                    inputs, buckets=buckets)
-        # prefill graphs of PIPELINED_MIN_ROWS rows or more run their chunks as two pipelined halves (_prefill_rows)
-        self.pipelined_rows = PIPELINED_MIN_ROWS if config.pipelined_prefill else None
-        self.prefill_streams = [torch.cuda.Stream(self.device) for _ in range(2)] \
-            if config.pipelined_prefill and self.device.type == "cuda" else None
         self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------
@@ -561,25 +556,10 @@ class ModelRunner:
         """What a prefill graph captures: the target's forward of a fixed-shape batch (ExtendBatch.padded;
         `starts_sequences`: a first chunk's graph) and the drafter's context append of its rows. Returns the
         logits [L, V] at each lane's last row."""
-        T = input_ids.shape[1]
-        if self.pipelined_rows is None or T < self.pipelined_rows:
-            batch = ExtendBatch.padded(input_ids, slot_ids, start, n_rows, state_slots, starts_sequences)
-            logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
-            self._append_prompt_rows(batch, taps, graphs=False)
-            return logits
-        # two halves of every lane's rows, a layer of each in turn (on two streams on CUDA); a lane whose rows end
-        # in the first half runs none in the second (its state kept) and takes its logits from the first
-        half = T // 2 // PREFILL_ROWS * PREFILL_ROWS
-        dense = half if starts_sequences and input_ids.shape[0] == 1 and self.dense_prefill else None
-        halves = [ExtendBatch.padded(input_ids[:, :half], slot_ids, start, n_rows.clamp(max=half), state_slots,
-                                     starts_sequences),
-                  ExtendBatch.padded(input_ids[:, half:], slot_ids, start + half, (n_rows - half).clamp(min=0),
-                                     state_slots, follows_keys=dense)]
-        outputs = self.model.extend_pipelined(halves, self.pool, self.kernels, self.prefill_streams,
-                                              tap_layer_ids=self.tap_layer_ids)
-        for batch, (_, taps) in zip(halves, outputs):
-            self._append_prompt_rows(batch, taps, graphs=False)
-        return torch.where((n_rows > half)[:, None], outputs[1][0], outputs[0][0])
+        batch = ExtendBatch.padded(input_ids, slot_ids, start, n_rows, state_slots, starts_sequences)
+        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
+        self._append_prompt_rows(batch, taps, graphs=False)
+        return logits
 
     def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Tensor, int] | None:
         """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph of the smallest

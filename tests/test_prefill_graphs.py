@@ -118,20 +118,19 @@ def test_padded_chunked_rule_equals_the_packed_one():
     torch.testing.assert_close(final0, final_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split, dense", [(64, False), (40, False), (64, True)])
-def test_pipelined_halves_give_the_halves_one_after_another(pair, split, dense):
+@pytest.mark.parametrize("split", [64, 40])
+def test_pipelined_halves_give_the_halves_one_after_another(pair, split):
     """Qwen35Model.extend_pipelined (two chunks of one prompt, a layer of each in turn - on two streams on CUDA):
     the second chunk's logits, the K/V and the GDN state equal those of extending the chunks one after another,
     bit for bit, and the whole prompt's forward within rounding (fixed-shape batches, the prefill graphs' route;
-    a split inside fla-core's 64-row chunk too; `dense`: the second chunk's attention over its gathered keys,
-    ExtendBatch.follows_keys)."""
+    a split inside fla-core's 64-row chunk too)."""
     engine = engine_for(pair[0])
     model, kernels, pool = engine.runner.model, engine.runner.kernels, engine.pool
     give_pages(engine, 0, 100)
     ids = torch.tensor([prompts(model.cfg.vocab_size, [100], seed=4)[0]], device=DEVICE)
     lane = lambda v: torch.tensor([v], device=DEVICE)  # noqa: E731
     chunk = lambda lo, hi: ExtendBatch.padded(ids[:, lo:hi], lane(0), lane(lo), lane(hi - lo), lane(0),  # noqa: E731
-                                              starts_sequences=lo == 0, follows_keys=lo if dense and lo else None)
+                                              starts_sequences=lo == 0)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()] if DEVICE == "cuda" else None
 
     def run(forward):

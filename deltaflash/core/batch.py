@@ -98,9 +98,7 @@ class ExtendBatch:
     packing: every lane runs all T rows, and state_slots [L] names the slot whose GDN state each lane
     reads and writes - its own, or for a padding lane the pool's state sink (SlotPool.state_sink);
     starts_sequences says that every lane starts at position 0 (what the host mirrors would tell: the
-    attention then runs over the chunk's own rows, the GDN layers from the zero state); follows_keys, for one
-    lane, that it starts at exactly that position (a first chunk's second half, Qwen35Model.extend_pipelined:
-    its attention may gather those keys and its own rows into one dense run, a fixed shape).
+    attention then runs over the chunk's own rows, the GDN layers from the zero state).
     """
 
     input_ids: torch.Tensor
@@ -116,18 +114,14 @@ class ExtendBatch:
     cu_seqlens_host: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
     starts_sequences: bool = False
-    follows_keys: int | None = None
 
     @classmethod
     def padded(cls, input_ids: torch.Tensor, slot_ids: torch.Tensor, start: torch.Tensor, n_rows: torch.Tensor,
-               state_slots: torch.Tensor, starts_sequences: bool = False,
-               follows_keys: int | None = None) -> "ExtendBatch":
+               state_slots: torch.Tensor, starts_sequences: bool = False) -> "ExtendBatch":
         """A fixed-shape batch from device tensors: input_ids [L, T], slot_ids / start / n_rows /
-        state_slots [L] (`starts_sequences`: the caller knows every start is 0; `follows_keys`: the one lane's
-        start is that). No host data, no host sync."""
+        state_slots [L] (`starts_sequences`: the caller knows every start is 0). No host data, no host sync."""
         positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        return cls(input_ids, positions, slot_ids, n_rows, state_slots=state_slots, starts_sequences=starts_sequences,
-                   follows_keys=follows_keys)
+        return cls(input_ids, positions, slot_ids, n_rows, state_slots=state_slots, starts_sequences=starts_sequences)
 
     @property
     def fixed_shape(self) -> bool:

@@ -126,14 +126,9 @@ class Qwen35Model(nn.Module):
         """(AttentionRows.fresh, .dense_keys) of this chunk: fresh when every live lane starts at position
         0 (by the host mirrors; a fixed-shape batch has none and says so itself); dense_keys, the storage
         rows [1, S] of keys 0..S-1, for a one-lane chunk after committed keys within dense.gathers' bounds
-        (all its rows valid: they are the run's last; or a fixed-shape one-lane batch following a known number of
-        keys, ExtendBatch.follows_keys, whose rows past its valid ones are read by none of them). Neither without
-        kernels.prefill_attention."""
+        (all its rows valid: they are the run's last). Neither without kernels.prefill_attention."""
         if kernels.prefill_attention is None or not dense_attention.supports(x.dtype, x.device, self.cfg.head_dim):
             return False, None
-        if batch.fixed_shape and batch.follows_keys is not None and x.shape[0] == 1:
-            keys = torch.arange(batch.follows_keys + x.shape[1], device=x.device)[None]
-            return False, pool.tables.rows(batch.slot_ids[:1], keys)
         if batch.fixed_shape:
             return batch.starts_sequences, None
         starts = [s for s, slot in zip(batch.start_host, batch.slot_ids_host) if slot >= 0]

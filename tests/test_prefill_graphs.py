@@ -13,14 +13,13 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from triton.runtime.interpreter import InterpretedFunction
 
-from deltaflash.core.batch import ExtendBatch
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed,
                                       prefill_graph_buckets, prefill_graph_for, prefill_lane_buckets, prefill_shapes)
 from deltaflash.ops.attention.paged import paged_attention_kernel
 from deltaflash.ops.gdn.chunk import chunk_gated_delta_rule_padded, chunk_gated_delta_rule_varlen, l2_normalize
 from deltaflash.server.metrics import Metrics
-from tests.spec_pairs import DEVICE, engine_for, give_pages, make_pair, pairs_by_kind, prompts
+from tests.spec_pairs import DEVICE, engine_for, make_pair, pairs_by_kind, prompts
 
 
 @pytest.fixture(scope="module")
@@ -116,38 +115,6 @@ def test_padded_chunked_rule_equals_the_packed_one():
     o_ref, final_ref = chunk_gated_delta_rule_padded(q, k, v, a, b, A_log, dt_bias, zeros, rows_valid)
     torch.testing.assert_close(pack(o0), pack(o_ref), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final0, final_ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("split", [64, 40])
-def test_pipelined_halves_give_the_halves_one_after_another(pair, split):
-    """Qwen35Model.extend_pipelined (two chunks of one prompt, a layer of each in turn - on two streams on CUDA):
-    the second chunk's logits, the K/V and the GDN state equal those of extending the chunks one after another,
-    bit for bit, and the whole prompt's forward within rounding (fixed-shape batches, the prefill graphs' route;
-    a split inside fla-core's 64-row chunk too)."""
-    engine = engine_for(pair[0])
-    model, kernels, pool = engine.runner.model, engine.runner.kernels, engine.pool
-    give_pages(engine, 0, 100)
-    ids = torch.tensor([prompts(model.cfg.vocab_size, [100], seed=4)[0]], device=DEVICE)
-    lane = lambda v: torch.tensor([v], device=DEVICE)  # noqa: E731
-    chunk = lambda lo, hi: ExtendBatch.padded(ids[:, lo:hi], lane(0), lane(lo), lane(hi - lo), lane(0),  # noqa: E731
-                                              starts_sequences=lo == 0)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()] if DEVICE == "cuda" else None
-
-    def run(forward):
-        pool.reset(0)
-        logits = forward()
-        keys, values = pool.kv_of(0, 100)
-        return logits, pool.recurrent_state[0].clone(), pool.conv_history[0].clone(), keys, values
-
-    first, second = chunk(0, split), chunk(split, 100)
-    serial = run(lambda: (model.extend(first, pool, kernels), model.extend(second, pool, kernels))[1][0])
-    piped = run(lambda: model.extend_pipelined([first, second], pool, kernels, streams)[1][0])
-    whole = run(lambda: model.extend(chunk(0, 100), pool, kernels)[0])
-    for a, b in zip(piped, serial):
-        assert torch.equal(a, b)
-    for a, b in zip(whole, serial):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-    assert not torch.equal(run(lambda: model.extend(second, pool, kernels)[0])[0], serial[0])  # (it reads the first)
 
 
 @pytest.mark.parametrize("kind", ["dense_gqa", "moe"])

@@ -8,8 +8,6 @@ Two forwards share the layers:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -86,14 +84,9 @@ class Qwen35Model(nn.Module):
         return self.vocab.project(self.norm(hidden, kernels), self.linear, gather).float()
 
     def _run_layers(self, x, attend, gdn, tap_layer_ids, kernels: Kernels, last_rows=None):
-        """(x after the layers, taps): `_layer_steps` run to the end."""
-        return run_to_end(self._layer_steps(x, attend, gdn, tap_layer_ids, kernels, last_rows))
-
-    def _layer_steps(self, x, attend, gdn, tap_layer_ids, kernels: Kernels, last_rows=None):
-        """The layers, as a generator that yields after each one and returns (x, taps) (extend_pipelined runs two
-        chunks' layers in turn). Each residual add is done by the norm that follows it (kernels.add_rms_norm: one
-        pass), but for a tapped layer's and the last layer's MLP output, added on its own. last_rows [L] (x [L, T,
-        H]; the caller's promise: the last layer untapped): only those rows of each lane go on past the last
+        """Each residual add is done by the norm that follows it (kernels.add_rms_norm: one pass), but
+        for a tapped layer's and the last layer's MLP output, added on its own. last_rows [L] (x [L, T, H];
+        the caller's promise: the last layer untapped): only those rows of each lane go on past the last
         layer's mixer - its norm and MLP act on each row alone, and the other rows' outputs are never read -
         and the result is [L, H]; an attention layer there computes those rows' queries alone
         (`attend(attn, h, last_rows)`)."""
@@ -118,7 +111,6 @@ class Qwen35Model(nn.Module):
                 x, pending = x + pending, None
             if i in tap_layer_ids:  # the last layer's tap is the final-normed output, as transformers reports it
                 taps.append(self.norm(x, kernels) if i == last else x)
-            yield
         return x, (torch.cat(taps, dim=-1) if taps else None)
 
     def _dense_route(self, batch: ExtendBatch, kernels: Kernels, x: torch.Tensor, pool: SlotPool
@@ -147,44 +139,6 @@ class Qwen35Model(nn.Module):
         all_hidden every row's last hidden state [L, T, H] (before the final norm: `logits` projects any
         rows of it, a few at a time where every row's logits would not fit); taps [L, T, n_taps*H] or None).
         A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
-        return run_to_end(self._extend_steps(batch, pool, kernels, tap_layer_ids, all_logits, all_hidden))
-
-    @torch.inference_mode()
-    def extend_pipelined(self, batches: list[ExtendBatch], pool: SlotPool, kernels: Kernels,
-                         streams: list[torch.cuda.Stream] | None = None, tap_layer_ids=()) -> list[tuple]:
-        """extend of chunks that follow one another (batch i + 1's lanes go on where batch i's stop: their K/V and
-        GDN state), a layer of each in turn, batch i on streams[i]: batch i + 1's layer l waits for batch i's layer
-        l alone, so it runs beside batch i's layer l + 1 - one chunk's bandwidth- and latency-bound kernels beside
-        the other's GEMMs. The arithmetic of extending them one after another, bit for bit. Returns each batch's
-        (logits, taps); the calling stream waits for all of them (CUDA-graph safe with fixed-shape batches).
-        streams None (CPU): the same turns on one stream."""
-        steps = [self._extend_steps(b, pool, kernels, tap_layer_ids) for b in batches]
-        results: list[tuple | None] = [None] * len(steps)
-        if streams is not None:
-            layer_done = [torch.cuda.Event() for _ in steps]
-            caller = torch.cuda.current_stream()
-            for stream in streams:
-                stream.wait_stream(caller)
-        while any(r is None for r in results):
-            for i, step in enumerate(steps):
-                if results[i] is not None:
-                    continue
-                with torch.cuda.stream(streams[i]) if streams is not None else contextlib.nullcontext():
-                    if streams is not None and i:
-                        streams[i].wait_event(layer_done[i - 1])
-                    try:
-                        next(step)
-                    except StopIteration as end:
-                        results[i] = end.value
-                    if streams is not None:
-                        layer_done[i].record(streams[i])
-        for stream in streams or ():
-            caller.wait_stream(stream)
-        return results
-
-    def _extend_steps(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),
-                      all_logits: bool = False, all_hidden: bool = False):
-        """extend's work as a generator that yields after each layer (`_layer_steps`) and returns its result."""
         x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         kmax = max((s + n for s, n in zip(batch.start_host, batch.n_rows_host)), default=None)  # None: fixed shape
@@ -203,7 +157,7 @@ class Qwen35Model(nn.Module):
         last = (batch.n_rows - 1).clamp(min=0)
         every = all_logits or all_hidden
         trim = not every and len(self.layers) - 1 not in tap_layer_ids
-        x, taps = yield from self._layer_steps(x, attend, gdn, tap_layer_ids, kernels, last if trim else None)
+        x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels, last if trim else None)
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):  # (a fixed-shape
             if slot >= 0:  # batch has no host mirrors: its caller records the lengths)
                 pool.lengths[slot] = start + n
@@ -246,12 +200,3 @@ class Qwen35Model(nn.Module):
         x, taps = self._run_layers(x, attend, gdn, tap_layer_ids, kernels)
         return VerifyOutput(logits=self.logits(x, kernels, gather_logits), taps=taps, conv_windows=windows,
                             replay_log=logs)
-
-
-def run_to_end(steps):
-    """What a generator of steps (Qwen35Model._layer_steps) returns, its steps run one after another."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value

@@ -240,8 +240,9 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     """A prompt longer than the idle budget at an idle engine: its first chunk replays the first-chunk
     graph; its next chunk, after EAGER_DENSE_MIN_CONTEXT committed keys, runs eagerly when it has
     EAGER_DENSE_MIN_ROWS rows or more (its attention gathers the context into one dense run, which no graph
-    can), and replays a graph when shorter (the eager launching would cost more). Outputs equal the eager
-    engine's."""
+    can), and replays a graph when shorter (the eager launching would cost more) - or when the eager step's
+    launching costs more than its rows (ModelRunner.eager_rows, measured at start on CUDA: a slow host), below
+    EAGER_DENSE_ALWAYS_CONTEXT keys. Outputs equal the eager engine's."""
     from deltaflash.engine.graphs import EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS
 
     T, rest = EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS + 36
@@ -250,8 +251,10 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     plain = engine_for(pair[0], pair[1], prefill_graphs=False, **config)
     engine = engine_for(pair[0], pair[1], **config)
-    for n, shapes, fresh in ((rest, [T], [True]), (100, [T, 128], [True, False])):
+    for n, shapes, fresh, host_bound in ((rest, [T], [True], False), (100, [T, 128], [True, False], False),
+                                          (rest, [T, T], [True, False], True)):
         (prompt,) = prompts(96, [T + n], seed=10)
+        engine.runner.eager_rows = 4 * T if host_bound else 0.0
         replays = Replays(engine)
         outputs = []
         for e in (plain, engine):

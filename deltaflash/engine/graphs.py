@@ -40,9 +40,16 @@ FRESH_PREFILL_MIN_ROWS = 1024
 # host time. A shorter chunk (a long prompt's rest; a prompt after a kept prefix) replays its graph: the
 # eager launching of the 9B shape costs ~75 ms of host time on the H100 VM (a 128-row chunk after 2,048
 # keys: 77-80 ms to the first token, `bench/prefix_turns.py`), more than the paged kernel's attention over
-# 32k keys adds to a 1024-row graph (~4 ms a layer).
+# 32k keys adds to a 1024-row graph (~4 ms a layer). Where the eager step is host-bound beyond the chunk's own
+# device time (ModelRunner.eager_prefill_rows, measured at start, above the chunk's rows), the chunk replays its
+# graph below EAGER_DENSE_ALWAYS_CONTEXT keys: the lent H200 VM of 2026-12-07 ran an eager 2048-row forward of the
+# 9B shape in 82.6 ms against 48.5 for its graph, and an 8192-token prompt's three eager chunks after its first
+# took 315 ms to the first token against 249 in 512-row graph chunks (`bench model`); the paged kernel's extra
+# attention time grows with the keys (~2 us a key for a 2048-row chunk, from the figure above) and passes such a
+# host's ~35 ms of launching near 16k keys.
 EAGER_DENSE_MIN_CONTEXT = 2048
 EAGER_DENSE_MIN_ROWS = 1024
+EAGER_DENSE_ALWAYS_CONTEXT = 16384
 # Prefill graphs of chunks of at least this many rows also get lane buckets of 3 x a power of two (3, 6,
 # 12, 24, ...): three chunks then replay 3 x T rows, not 4 x T. From 3 x 128 rows a step is compute-bound
 # (the 9B shape on the H200: ~190 rows of bf16 GEMM read the weights in the time they compute), so a

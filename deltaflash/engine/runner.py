@@ -29,7 +29,8 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import MAX_LOGPROBS, RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS, FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS,
+from deltaflash.engine.graphs import (EAGER_DENSE_ALWAYS_CONTEXT, EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS,
+                                      FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS,
                                       CudaGraphs, buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import Fork, PrefillChunk, Restore, StepPlan
@@ -215,6 +216,7 @@ class ModelRunner:
                     first_chunks = functools.partial(self._prefill_rows, starts_sequences=True)
                     self.fresh_prefill_graphs[T] = self.graphs.add(f"first prefill chunk of {T} rows", first_chunks,
                                                                    inputs, buckets=buckets)
+        self.eager_rows = 0.0  # eager_prefill_rows, once measured (0: not measured; an eager step then counts as its rows)
         self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------
@@ -322,7 +324,8 @@ class ModelRunner:
         of the largest prefill graph replayed whole (device-bound), both timed here on slot 0 and padding
         lanes (then reset). 0 without prefill graphs (CPU), and on tensor-parallel ranks (whose plans must
         not follow their own timings). The scheduler weighs cutting prompts to fit a graph against an eager
-        step by it (Scheduler._graph_fit)."""
+        step by it (Scheduler._graph_fit), and a long chunk after many keys runs eagerly only where its rows
+        reach it or the keys are many (_prefill_logits, graphs.EAGER_DENSE_ALWAYS_CONTEXT): kept as eager_rows."""
         if not self.prefill_graphs or self.device.type != "cuda" or self.config.tensor_parallel_size > 1:
             return 0.0
         T = max(self.prefill_graphs)
@@ -345,7 +348,8 @@ class ModelRunner:
                     self.source.reset(0)
             seconds.append(elapsed)
         eager, graph = seconds
-        return eager / (graph / (lanes * T))
+        self.eager_rows = eager / (graph / (lanes * T))
+        return self.eager_rows
 
     @torch.inference_mode()
     def calibrate(self, reps: int = 2) -> RoundCosts:
@@ -497,7 +501,8 @@ class ModelRunner:
         one = chunks[0]
         long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
             and len(one.tokens) >= EAGER_DENSE_MIN_ROWS \
-            and dense_attention.gathers(one.start, len(one.tokens))
+            and dense_attention.gathers(one.start, len(one.tokens)) \
+            and (len(one.tokens) >= self.eager_rows or one.start >= EAGER_DENSE_ALWAYS_CONTEXT)  # (graphs.py)
         replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
         return replayed if replayed is not None else (self._extend(chunks)[0], 0)
 

@@ -9,7 +9,7 @@
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks graphlaunch9b gemmgraphs swiglu
-# tunefla ttfttable demodefault forks turns system burst (bench/h200_owed.sh runs the figures the issues still owe, in three calls)
+# tunefla ttfttable demodefault forks turns system burst (bench/h200_owed.sh runs the figures the issues still owe, in two calls)
 # (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.

@@ -109,6 +109,9 @@ def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):
         assert pre["rows_per_token"] == 1.0  # (no prefill graph on the CPU: no padding row)
         assert (pre["graph_steps"], pre["graph_step_p50_ms"], pre["eager_steps"]) == (0, None, pre["steps"])
         assert pre["eager_step_p50_ms"] == pre["step_p50_ms"]
+        slowest = pre["eager_slowest"]  # (every step eager here: the slowest of them, their prompt tokens)
+        assert len(slowest) == min(8, pre["steps"]) and slowest[0]["ms"] >= pre["eager_step_p50_ms"]
+        assert all(0 < s["prompt_tokens"] <= s["budget"] for s in slowest)
     assert (result["meta"]["max_num_batched_tokens"], result["meta"]["max_prefill_stall"]) == (512, 0.0)
     limit = result["figures"]["spec_c1_over_tau_weight_read_limit"]
     assert limit["value"] > 0 and limit["weight_read_ms"] > 0

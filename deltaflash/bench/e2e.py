@@ -249,6 +249,11 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
         walls = [s for s, r in prefilling if bool(r.prefill_graphed) == graphed]
         out["prefill_steps"] |= {f"{path}_steps": len(walls),
                                  f"{path}_step_p50_ms": 1e3 * percentile(walls, 50) if walls else None}
+    # the slowest eager steps, what the scheduler put in them (an eager step of a small model is host-bound)
+    eager = sorted(((s, r) for s, r in prefilling if not r.prefill_graphed), key=lambda sr: -sr[0])[:8]
+    out["prefill_steps"]["eager_slowest"] = [
+        {"ms": 1e3 * s, "prompt_tokens": r.prefill_tokens, "budget": r.prefill_budget, "admitted": r.admitted,
+         "decode_lanes": r.decode_lanes} for s, r in eager]
     return out
 
 

@@ -293,13 +293,13 @@ def test_a_graph_cut_is_planned_with_the_slack_the_step_takes():
     """_graph_fit scores the chunks _prefill_chunks will take, slack included. Three prompts of 100, 100 and
     25 tokens left, a 212-token budget beside a speculative round with 15 tokens of slack: cut by the budget
     alone the third takes 12 tokens, and 3 lanes x 128 rows (padded as 4) would pass twice the step's 212
-    rows - an eager step, which the scheduler (an eager step costing 4,000 rows here) would rather cut to the
+    rows (and the eager step's cost, 500 rows here) - an eager step, which the scheduler would rather cut to the
     first two prompts (200 tokens, 2 x 128 rows). But the third's rest of 13 is within the slack, so the step
     takes it whole: 225 tokens, which the 128-row graph's 3-lane bucket replays within reason - no cut."""
     config = EngineConfig(max_slots=8, max_num_batched_tokens=512, max_model_len=4096)
     config = dataclasses.replace(config.resolve(torch.device("cpu"), None), prefill_graphs=True)
     scheduler = Scheduler(config, num_pages=1000)
-    scheduler.eager_prefill_rows = 4000.0
+    scheduler.eager_prefill_rows = 500.0
     for i, n in enumerate((100, 100, 25)):
         scheduler.add(sequence(f"p{i}", n))
     scheduler.schedule()  # admits all three (its chunks are not run: nothing is prefilled)

@@ -132,6 +132,7 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     # steps planned by the graph shapes alone (on CUDA the engine times an eager step at start, and where
     # that costs much it cuts every step to a graph: tests/test_engine.py's straddling-lengths test)
     plain.scheduler.eager_prefill_rows = graphed.scheduler.eager_prefill_rows = 0
+    plain.runner.eager_rows = graphed.runner.eager_rows = 0  # (the runner replays by the same rule)
     # together: [1, 40, 9] pads too much for a graph; [30, 40, 45] replays 4 lanes, one of them padding
     groups = [[5, 70], [3], [230], [1, 40, 9], [30, 40, 45]]
     arrivals = prompts(96, [n for group in groups for n in group], seed=2)
@@ -178,6 +179,24 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     rows = {s.labels["path"]: s.value for s in samples if s.name == "deltaflash_prefill_rows_total"}
     prefilled = next(s.value for s in samples if s.name == "deltaflash_prefill_tokens_per_step_sum")
     assert prefilled == graphed.stats["prefill_tokens"] < rows["graph"] + rows["eager"]  # the padding rows
+
+
+def test_short_chunks_replay_a_padded_graph_where_an_eager_step_costs_more(pair):
+    """Four prompts of 2-7 tokens in one step: 4 x 64 graph rows for 17 tokens pad past twice their rows, so the
+    step runs eagerly - unless an eager step's launching costs more graph rows than that (ModelRunner.eager_rows,
+    measured at start on CUDA: a host-bound eager step, a small model's), where the padded graph replays.
+    Outputs equal."""
+    batch = prompts(96, [5, 3, 7, 2], seed=12)
+    greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    outputs, replayed = [], []
+    for eager_rows in (0.0, 1000.0):
+        engine = engine_for(pair[0], max_slots=4, max_num_batched_tokens=256, idle_prefill_tokens=256)
+        engine.scheduler.eager_prefill_rows = engine.runner.eager_rows = eager_rows
+        replays = Replays(engine)
+        outputs.append([c.token_ids for c in engine.generate(batch, greedy)[0]])
+        replayed.append(replays.calls)
+    assert outputs[0] == outputs[1]
+    assert replayed[0] == [] and [sorted(slots) for slots in replayed[1]] == [[0, 1, 2, 3]]
 
 
 def test_a_prompt_at_an_idle_engine_replays_a_shape_above_the_budget(pair):
@@ -336,6 +355,10 @@ def test_a_step_replays_the_smallest_graph_that_holds_it_within_reason():
     assert prefill_graph_for([100, 90, 80], buckets) == (128, 3)
     assert prefill_graph_for([60] * 5, buckets) == (64, 8)
     assert prefill_graph_for([5, 70], buckets) is None  # 2 x 128 rows for 75
+    # ... unless an eager step's launching costs more graph rows than that (a host-bound eager step)
+    assert prefill_graph_for([5, 70], buckets, eager_rows=300) == (128, 2)
+    assert prefill_graph_for([5, 3, 7, 2], buckets) is None and prefill_graph_for([5, 3, 7, 2], buckets, 256) == (64, 4)
+    assert prefill_graph_for([5, 3, 7, 2], buckets, 255) is None
     assert prefill_graph_for([60] * 9, buckets) is None  # more lanes than the shape's buckets
     assert prefill_graph_for([600], buckets) is None  # longer than every shape
 

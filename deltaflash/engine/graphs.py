@@ -109,29 +109,33 @@ def prefill_lane_buckets(rows: int, most: int) -> tuple[int, ...]:
     return tuple(sorted(set(buckets) | {3 * b for b in LANE_BUCKETS if 3 * b < buckets[-1]}))
 
 
-def padded_rows_allowed(rows: int) -> int:
+def padded_rows_allowed(rows: int, eager_rows: float = 0.0) -> float:
     """Rows a prefill graph may run for a step of `rows` prompt rows: its padding at most doubles it
-    (plus one chunk), so a replay never costs much more device time than the eager prefill."""
-    return 2 * rows + PREFILL_ROWS
+    (plus one chunk), so a replay never costs much more device time than the eager prefill - or up to
+    `eager_rows`, the graph rows an eager step's launching costs where it is host-bound
+    (ModelRunner.eager_prefill_rows: a few prompts' short rests would otherwise launch a small model one
+    kernel at a time, ~40 ms on the H200 VM of 2026-12-07, for ~1 ms of graph)."""
+    return max(2 * rows + PREFILL_ROWS, eager_rows)
 
 
-def pads_within_reason(lanes: int, shape: int, rows: int) -> bool:
+def pads_within_reason(lanes: int, shape: int, rows: int, eager_rows: float = 0.0) -> bool:
     """Whether a prefill step of `lanes` chunks, `rows` rows in all, the longest padding to `shape` rows,
-    may replay a graph: its lanes' power-of-two bucket x shape within padded_rows_allowed(rows) (judged at
-    that bucket, so the 3 x 2^k ones, which only pad less, change nothing)."""
-    return buckets_for(lanes)[-1] * shape <= padded_rows_allowed(rows)
+    may replay a graph: its lanes' power-of-two bucket x shape within padded_rows_allowed(rows, eager_rows)
+    (judged at that bucket, so the 3 x 2^k ones, which only pad less, change nothing)."""
+    return buckets_for(lanes)[-1] * shape <= padded_rows_allowed(rows, eager_rows)
 
 
-def prefill_graph_for(lens: Sequence[int], buckets: dict[int, tuple[int, ...]]) -> tuple[int, int] | None:
+def prefill_graph_for(lens: Sequence[int], buckets: dict[int, tuple[int, ...]],
+                      eager_rows: float = 0.0) -> tuple[int, int] | None:
     """(rows T, lanes) of the prefill graph that replays chunks of `lens` rows, given each graph shape's
     lane buckets (T -> buckets, smallest T first): the smallest shape and bucket that hold them. None where
-    none does or where it would pad past reason (pads_within_reason): that step runs eagerly. The runner
-    replays by this rule and the scheduler plans by it."""
+    none does or where it would pad past reason (pads_within_reason, with `eager_rows`): that step runs
+    eagerly. The runner replays by this rule and the scheduler plans by it, with the same eager_rows."""
     shape = next((T for T in buckets if T >= max(lens)), None)
     if shape is None:
         return None
     lanes = next((b for b in buckets[shape] if b >= len(lens)), None)
-    if lanes is None or not pads_within_reason(len(lens), shape, sum(lens)):
+    if lanes is None or not pads_within_reason(len(lens), shape, sum(lens), eager_rows):
         return None
     return shape, lanes
 

@@ -569,9 +569,10 @@ class ModelRunner:
     def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Tensor, int] | None:
         """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph of the smallest
         shape that holds them, or None when none does or when it would pad more than about twice their
-        rows. Padding lanes keep their GDN state in the pool's state sink."""
+        rows and more than an eager step's launching costs (eager_rows). Padding lanes keep their GDN state in
+        the pool's state sink."""
         L = len(chunks)
-        fit = prefill_graph_for([len(c.tokens) for c in chunks], self.prefill_buckets)
+        fit = prefill_graph_for([len(c.tokens) for c in chunks], self.prefill_buckets, self.eager_rows)
         if fit is None:
             return None
         shape, lanes = fit

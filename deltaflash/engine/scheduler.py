@@ -574,7 +574,7 @@ class Scheduler:
 
         def graph_rows(lens: tuple[int, ...]) -> int | None:
             """The rows the runner's graph for these chunks computes; None: the step runs eagerly."""
-            fit = prefill_graph_for(lens, buckets)
+            fit = prefill_graph_for(lens, buckets, self.eager_prefill_rows)
             return None if fit is None else fit[0] * fit[1]
 
         uncut = step(budget, len(waiting))

@@ -320,7 +320,7 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
     for cuts in (False, True):
         engine = engine_for(pair[0], pair[1], **config)
         replays = Replays(engine)
-        engine.scheduler.eager_prefill_rows = 1000.0 if cuts else 0.0
+        engine.scheduler.eager_prefill_rows = engine.runner.eager_rows = 1000.0 if cuts else 0.0  # (CUDA: measured)
         for p in prompts(96, [140, 130, 130], seed=12):
             engine.add_request(p, params)
         reports = []

@@ -14,7 +14,7 @@ import torch
 from deltaflash.core.request import SamplingParams, Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import prefill_graph_buckets, prefill_graph_for, prefill_shapes
-from deltaflash.engine.scheduler import Scheduler
+from deltaflash.engine.scheduler import PrefillChunk, Scheduler
 from deltaflash.errors import DeltaflashError
 from deltaflash.speculative.policy import RoundCosts
 from deltaflash.speculative.sources import ScriptedSource
@@ -309,6 +309,58 @@ def test_a_graph_cut_is_planned_with_the_slack_the_step_takes():
     assert prefill_graph_for([100, 100, 25], buckets) == (128, 3)
     assert [len(c.tokens) for c in scheduler._prefill_chunks(212, slack=15)] == [100, 100, 25]
     assert [len(c.tokens) for c in scheduler._prefill_chunks(212)] == [100, 100]  # no slack: cut to a graph
+
+
+def test_a_cut_fills_its_graph_rows_where_the_step_replays_padded():
+    """A scaled budget's cut (fill) grows to its graph's rows where the step replays a graph: two prompts' rests of
+    2 and 3 tokens and a 10-token cut of a long prompt pad 4 lanes x 64 rows, past twice their rows - an eager step
+    that takes the cut as is - but where the eager step's launching costs 300 graph rows the step replays that
+    graph padded (prefill_graph_for), and the cut then takes its 64 rows in place of padding."""
+    config = EngineConfig(max_slots=8, max_num_batched_tokens=512, max_model_len=4096)
+    config = dataclasses.replace(config.resolve(torch.device("cpu"), None), prefill_graphs=True, prefix_cache=0)
+    buckets = prefill_graph_buckets(512, 8, 4096, config.idle_prefill_tokens)
+    for eager_rows, lens in ((0.0, [2, 3, 10]), (300.0, [2, 3, 64])):
+        scheduler = Scheduler(config, num_pages=1000)
+        scheduler.eager_prefill_rows = eager_rows
+        for i, n in enumerate((2, 3, 500)):
+            scheduler.add(sequence(f"p{i}", n))
+        scheduler.schedule()  # admits all three (its chunks are not run: nothing is prefilled)
+        waiting = list(scheduler.running.values())
+        assert scheduler._chunk_lens(waiting, 15, 15, 3, slack=0, fill=True) == lens
+        assert prefill_graph_for(lens, buckets, eager_rows) == (None if eager_rows == 0 else (64, 4))
+
+
+def test_the_plan_names_the_graph_that_replays_its_prefill():
+    """The scheduler decides graph or eager for each step's prefill and the plan carries it (StepPlan.prefill_graph):
+    the smallest graph holding the chunks that score no prompt (a scored prompt runs an eager forward of its own);
+    None without prefill graphs. A long prompt's 1,100-row chunk after 2,048 keys at an idle engine runs eagerly
+    where the runner attends over a gathered context (dense_prefill) - unless the eager step's launching costs more
+    than its rows (eager_prefill_rows), below 16,384 keys - and replays its graph beside a round."""
+    config = EngineConfig(max_slots=8, max_num_batched_tokens=512, idle_prefill_tokens=2048, max_model_len=40_000)
+    config = dataclasses.replace(config.resolve(torch.device("cpu"), None), prefill_graphs=True, prefix_cache=0)
+    for scored in (False, True):
+        scheduler = Scheduler(config, num_pages=4000)
+        for i, n in enumerate((100, 90, 80)):
+            seq = sequence(f"p{i}", n)
+            if scored and i == 2:
+                seq.params = dataclasses.replace(seq.params, prompt_logprobs=1)
+            scheduler.add(seq)
+        plan = scheduler.schedule()
+        assert [len(c.tokens) for c in plan.prefill] == [100, 90, 80]
+        assert plan.prefill_graph == ((128, 2) if scored else (128, 3))
+    plain = Scheduler(dataclasses.replace(config, prefill_graphs=False), num_pages=4000)
+    plain.add(sequence("p", 100))
+    assert plain.schedule().prefill_graph is None
+
+    long = sequence("long", 20_000)
+    for dense, eager_rows, start, alone, graph in ((True, 0.0, 2048, True, None), (True, 0.0, 2048, False, (2048, 1)),
+                                                   (False, 0.0, 2048, True, (2048, 1)),
+                                                   (True, 8192.0, 2048, True, (2048, 1)),
+                                                   (True, 8192.0, 16_384, True, None)):
+        scheduler = Scheduler(config, num_pages=4000, dense_prefill=dense)
+        scheduler.eager_prefill_rows = eager_rows
+        chunk = PrefillChunk(long, start, long.prefill_array(start, start + 1100), last=False)
+        assert scheduler.prefill_graph([chunk], alone) == graph, (dense, eager_rows, start, alone)
 
 
 def test_an_engine_measures_the_prefill_beside_its_rounds_and_holds_the_budget(pairs):

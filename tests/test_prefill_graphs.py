@@ -132,7 +132,6 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
     # steps planned by the graph shapes alone (on CUDA the engine times an eager step at start, and where
     # that costs much it cuts every step to a graph: tests/test_engine.py's straddling-lengths test)
     plain.scheduler.eager_prefill_rows = graphed.scheduler.eager_prefill_rows = 0
-    plain.runner.eager_rows = graphed.runner.eager_rows = 0  # (the runner replays by the same rule)
     # together: [1, 40, 9] pads too much for a graph; [30, 40, 45] replays 4 lanes, one of them padding
     groups = [[5, 70], [3], [230], [1, 40, 9], [30, 40, 45]]
     arrivals = prompts(96, [n for group in groups for n in group], seed=2)
@@ -183,15 +182,16 @@ def test_prefill_graphs_give_the_eager_prefill(pairs, kind):
 
 def test_short_chunks_replay_a_padded_graph_where_an_eager_step_costs_more(pair):
     """Four prompts of 2-7 tokens in one step: 4 x 64 graph rows for 17 tokens pad past twice their rows, so the
-    step runs eagerly - unless an eager step's launching costs more graph rows than that (ModelRunner.eager_rows,
-    measured at start on CUDA: a host-bound eager step, a small model's), where the padded graph replays.
+    step runs eagerly - unless an eager step's launching costs more graph rows than that (the scheduler's
+    eager_prefill_rows, measured at start on CUDA: a host-bound eager step, a small model's), where the padded graph
+    replays.
     Outputs equal."""
     batch = prompts(96, [5, 3, 7, 2], seed=12)
     greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
     outputs, replayed = [], []
     for eager_rows in (0.0, 1000.0):
         engine = engine_for(pair[0], max_slots=4, max_num_batched_tokens=256, idle_prefill_tokens=256)
-        engine.scheduler.eager_prefill_rows = engine.runner.eager_rows = eager_rows
+        engine.scheduler.eager_prefill_rows = eager_rows
         replays = Replays(engine)
         outputs.append([c.token_ids for c in engine.generate(batch, greedy)[0]])
         replayed.append(replays.calls)
@@ -260,8 +260,8 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     graph; its next chunk, after EAGER_DENSE_MIN_CONTEXT committed keys, runs eagerly when it has
     EAGER_DENSE_MIN_ROWS rows or more (its attention gathers the context into one dense run, which no graph
     can), and replays a graph when shorter (the eager launching would cost more) - or when the eager step's
-    launching costs more than its rows (ModelRunner.eager_rows, measured at start on CUDA: a slow host), below
-    EAGER_DENSE_ALWAYS_CONTEXT keys. Outputs equal the eager engine's."""
+    launching costs more than its rows (the scheduler's eager_prefill_rows, measured at start on CUDA: a slow
+    host), below EAGER_DENSE_ALWAYS_CONTEXT keys. Outputs equal the eager engine's."""
     from deltaflash.engine.graphs import EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS
 
     T, rest = EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS + 36
@@ -273,7 +273,7 @@ def test_a_long_prompts_later_chunk_at_an_idle_engine_runs_eagerly(pair):
     for n, shapes, fresh, host_bound in ((rest, [T], [True], False), (100, [T, 128], [True, False], False),
                                           (rest, [T, T], [True, False], True)):
         (prompt,) = prompts(96, [T + n], seed=10)
-        engine.runner.eager_rows = 4 * T if host_bound else 0.0
+        engine.scheduler.eager_prefill_rows = 4 * T if host_bound else 0.0
         replays = Replays(engine)
         outputs = []
         for e in (plain, engine):
@@ -320,7 +320,7 @@ def test_three_long_chunks_replay_three_lanes_not_four(pair):
     for cuts in (False, True):
         engine = engine_for(pair[0], pair[1], **config)
         replays = Replays(engine)
-        engine.scheduler.eager_prefill_rows = engine.runner.eager_rows = 1000.0 if cuts else 0.0  # (CUDA: measured)
+        engine.scheduler.eager_prefill_rows = 1000.0 if cuts else 0.0  # (CUDA: measured)
         for p in prompts(96, [140, 130, 130], seed=12):
             engine.add_request(p, params)
         reports = []

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from deltaflash.ops.attention import dense as dense_attention
+
 from deltaflash.core.batch import PinnedStaging
 
 LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -130,7 +132,7 @@ def prefill_graph_for(lens: Sequence[int], buckets: dict[int, tuple[int, ...]],
     """(rows T, lanes) of the prefill graph that replays chunks of `lens` rows, given each graph shape's
     lane buckets (T -> buckets, smallest T first): the smallest shape and bucket that hold them. None where
     none does or where it would pad past reason (pads_within_reason, with `eager_rows`): that step runs
-    eagerly. The runner replays by this rule and the scheduler plans by it, with the same eager_rows."""
+    eagerly. The scheduler plans by this rule and its plan tells the runner (StepPlan.prefill_graph)."""
     shape = next((T for T in buckets if T >= max(lens)), None)
     if shape is None:
         return None
@@ -138,6 +140,15 @@ def prefill_graph_for(lens: Sequence[int], buckets: dict[int, tuple[int, ...]],
     if lanes is None or not pads_within_reason(len(lens), shape, sum(lens), eager_rows):
         return None
     return shape, lanes
+
+
+def long_chunk_runs_eagerly(start: int, rows: int, eager_rows: float = 0.0) -> bool:
+    """Whether a prompt's chunk of `rows` rows after `start` committed keys, alone in a step that decodes
+    nothing, runs eagerly over its gathered context rather than replaying its graph (EAGER_DENSE_MIN_CONTEXT
+    and after): a long chunk after many keys, unless the eager step's launching (`eager_rows`: the graph rows
+    it costs) outweighs its rows below EAGER_DENSE_ALWAYS_CONTEXT keys."""
+    return start >= EAGER_DENSE_MIN_CONTEXT and rows >= EAGER_DENSE_MIN_ROWS and dense_attention.gathers(start, rows) \
+        and (rows >= eager_rows or start >= EAGER_DENSE_ALWAYS_CONTEXT)
 
 
 @functools.cache  # (the scheduler plans by it at each step that prefills several prompts)

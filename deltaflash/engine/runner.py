@@ -29,9 +29,8 @@ from deltaflash.cache.slots import SlotPool, kv_bytes_per_token
 from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOutput, to_device
 from deltaflash.core.request import MAX_LOGPROBS, RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (EAGER_DENSE_ALWAYS_CONTEXT, EAGER_DENSE_MIN_CONTEXT, EAGER_DENSE_MIN_ROWS,
-                                      FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS,
-                                      CudaGraphs, buckets_for, prefill_graph_buckets, prefill_graph_for, prefill_shapes)
+from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs, buckets_for,
+                                      prefill_graph_buckets, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import Fork, PrefillChunk, Restore, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -203,11 +202,11 @@ class ModelRunner:
                                                                  lane + (budget,))
         self.prefill_graphs = {}  # chunk rows T -> the graphs of prefill steps of up to `lanes` chunks of <= T rows
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
-        # T -> lane buckets of the prefill graph shapes (the scheduler plans steps by the same table)
-        self.prefill_buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots,
-                                                     config.max_model_len, config.idle_prefill_tokens)
         if self.graphs is not None and config.prefill_graphs:
-            for T, buckets in self.prefill_buckets.items():
+            # T -> lane buckets of the prefill graph shapes (the scheduler plans steps by the same table)
+            prefill_buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots,
+                                                    config.max_model_len, config.idle_prefill_tokens)
+            for T, buckets in prefill_buckets.items():
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, self.pool.state_sink)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs,
@@ -216,7 +215,6 @@ class ModelRunner:
                     first_chunks = functools.partial(self._prefill_rows, starts_sequences=True)
                     self.fresh_prefill_graphs[T] = self.graphs.add(f"first prefill chunk of {T} rows", first_chunks,
                                                                    inputs, buckets=buckets)
-        self.eager_rows = 0.0  # eager_prefill_rows, once measured (0: not measured; an eager step then counts as its rows)
         self.idle_clock = IdleClock(self.device)
 
     # ---- the page pool ------------------------------------------------------------------------
@@ -323,9 +321,10 @@ class ModelRunner:
         eager prefill's wall time (host-bound: its launches, fla-core's per-call work) over the per-row time
         of the largest prefill graph replayed whole (device-bound), both timed here on slot 0 and padding
         lanes (then reset). 0 without prefill graphs (CPU), and on tensor-parallel ranks (whose plans must
-        not follow their own timings). The scheduler weighs cutting prompts to fit a graph against an eager
-        step by it (Scheduler._graph_fit), and a long chunk after many keys runs eagerly only where its rows
-        reach it or the keys are many (_prefill_logits, graphs.EAGER_DENSE_ALWAYS_CONTEXT): kept as eager_rows."""
+        not follow their own timings). The scheduler plans by it: it weighs cutting prompts to fit a graph
+        against an eager step (Scheduler._graph_fit), lets a padded graph replay where the eager step costs
+        more (graphs.padded_rows_allowed), and runs a long chunk after many keys eagerly only where its rows
+        reach it or the keys are many (graphs.long_chunk_runs_eagerly)."""
         if not self.prefill_graphs or self.device.type != "cuda" or self.config.tensor_parallel_size > 1:
             return 0.0
         T = max(self.prefill_graphs)
@@ -348,8 +347,7 @@ class ModelRunner:
                     self.source.reset(0)
             seconds.append(elapsed)
         eager, graph = seconds
-        self.eager_rows = eager / (graph / (lanes * T))
-        return self.eager_rows
+        return eager / (graph / (lanes * T))
 
     @torch.inference_mode()
     def calibrate(self, reps: int = 2) -> RoundCosts:
@@ -407,7 +405,7 @@ class ModelRunner:
         if plan.restores:
             self._restore(plan.restores)
         t0 = time.perf_counter()
-        first, graphed, scores = self._prefill(plan.prefill, plan.forks, alone=not plan.decode) if plan.prefill \
+        first, graphed, scores = self._prefill(plan.prefill, plan.forks, plan.prefill_graph) if plan.prefill \
             else (None, 0, {})
         for snapshot in plan.snapshots:  # (after the restores: an evicted entry's row may be taken again)
             self.pool.save(snapshot.seq.slot, snapshot.row)
@@ -446,16 +444,17 @@ class ModelRunner:
                           prompt_logprobs=prompt_logprobs)
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], forks: tuple[Fork, ...] = (),
-                 alone: bool = False) -> tuple[Accepted | None, int, dict]:
-        """Run the chunks (`alone`: the step decodes nothing), then fill the `forks`' slots from their leaders';
+                 graph: tuple[int, int] | None = None) -> tuple[Accepted | None, int, dict]:
+        """Run the chunks (`graph`: the prefill graph the plan replays them in, StepPlan.prefill_graph; None:
+        eagerly), then fill the `forks`' slots from their leaders';
         returns (the first tokens [n, 1] of the chunks that complete their prompt and then of the forks, or
         None; the rows of the prefill graph that ran them, padding included, or 0 where they ran eagerly; the
         prompt logprobs of chunks whose request asks for them, by chunk index: `_score_prompt`'s tensors)."""
         scored = [i for i, c in enumerate(chunks) if c.seq.params.prompt_logprobs is not None]
         if scored:
-            logits, graphed, scores = self._prefill_scored(chunks, scored, alone)
+            logits, graphed, scores = self._prefill_scored(chunks, scored, graph)
         else:
-            (logits, graphed), scores = self._prefill_logits(chunks, alone), {}
+            (logits, graphed), scores = self._prefill_logits(chunks, graph), {}
         if forks:
             self._fork(forks)
         done = [i for i, c in enumerate(chunks) if c.emits]
@@ -496,15 +495,12 @@ class ModelRunner:
             if self.source is not None:
                 self.source.copy_pages(pages)
 
-    def _prefill_logits(self, chunks: tuple[PrefillChunk, ...], alone: bool) -> tuple[Tensor, int]:
-        """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly)."""
-        one = chunks[0]
-        long_context = self.dense_prefill and alone and len(chunks) == 1 and one.start >= EAGER_DENSE_MIN_CONTEXT \
-            and len(one.tokens) >= EAGER_DENSE_MIN_ROWS \
-            and dense_attention.gathers(one.start, len(one.tokens)) \
-            and (len(one.tokens) >= self.eager_rows or one.start >= EAGER_DENSE_ALWAYS_CONTEXT)  # (graphs.py)
-        replayed = self._prefill_replay(chunks) if self.prefill_graphs and not long_context else None
-        return replayed if replayed is not None else (self._extend(chunks)[0], 0)
+    def _prefill_logits(self, chunks: tuple[PrefillChunk, ...], graph: tuple[int, int] | None) -> tuple[Tensor, int]:
+        """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly):
+        replayed in `graph` where the runner has prefill graphs, else eagerly."""
+        if graph is not None and self.prefill_graphs:
+            return self._prefill_replay(chunks, graph)
+        return self._extend(chunks)[0], 0
 
     def _extend(self, chunks, all_hidden: bool = False) -> tuple[Tensor, ExtendBatch]:
         """The chunks' eager prefill forward, their rows appended to the draft context: (logits [n, V] of
@@ -515,7 +511,7 @@ class ModelRunner:
         self._append_prompt_rows(batch, taps)
         return out, batch
 
-    def _prefill_scored(self, chunks: tuple[PrefillChunk, ...], scored: list[int], alone: bool):
+    def _prefill_scored(self, chunks: tuple[PrefillChunk, ...], scored: list[int], graph: tuple[int, int] | None):
         """_prefill's work where the chunks `scored` (indices) ask for prompt logprobs: those run eagerly in a
         forward of their own that keeps every row's hidden state, projected to logits and scored a block of
         `scoring_rows` rows at a time (`_score_prompt`), the others as ever. Returns (last-row logits [n, V] in
@@ -523,7 +519,7 @@ class ModelRunner:
         others = [i for i in range(len(chunks)) if i not in scored]
         parts, graphed = [], 0
         if others:
-            logits, graphed = self._prefill_logits(tuple(chunks[i] for i in others), alone)
+            logits, graphed = self._prefill_logits(tuple(chunks[i] for i in others), graph)
             parts.append(logits)
         hidden, batch = self._extend([chunks[i] for i in scored], all_hidden=True)  # [L, T, H]
         scores = {i: self._score_prompt(chunks[i], hidden[j]) for j, i in enumerate(scored)}
@@ -566,16 +562,12 @@ class ModelRunner:
         self._append_prompt_rows(batch, taps, graphs=False)
         return logits
 
-    def _prefill_replay(self, chunks: tuple[PrefillChunk, ...]) -> tuple[Tensor, int] | None:
-        """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph of the smallest
-        shape that holds them, or None when none does or when it would pad more than about twice their
-        rows and more than an eager step's launching costs (eager_rows). Padding lanes keep their GDN state in
-        the pool's state sink."""
+    def _prefill_replay(self, chunks: tuple[PrefillChunk, ...], graph: tuple[int, int]) -> tuple[Tensor, int]:
+        """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph `graph` (T, lanes)
+        the scheduler chose for them (Scheduler.prefill_graph). Padding lanes keep their GDN state in the pool's
+        state sink."""
         L = len(chunks)
-        fit = prefill_graph_for([len(c.tokens) for c in chunks], self.prefill_buckets, self.eager_rows)
-        if fit is None:
-            return None
-        shape, lanes = fit
+        shape, lanes = graph
         graphs = self.prefill_graphs[shape]
         if all(c.start == 0 for c in chunks):  # first chunks only: their attention reads no page
             graphs = self.fresh_prefill_graphs.get(shape, graphs)

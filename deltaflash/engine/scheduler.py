@@ -34,8 +34,8 @@ from deltaflash.cache.pages import PageAllocator, pages_for
 from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
-from deltaflash.engine.graphs import (PREFILL_ROWS, pads_within_reason, prefill_graph_buckets, prefill_graph_for,
-                                      prefill_shapes, prefill_tile)
+from deltaflash.engine.graphs import (PREFILL_ROWS, long_chunk_runs_eagerly, pads_within_reason, prefill_graph_buckets,
+                                      prefill_graph_for, prefill_shapes, prefill_tile)
 from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache, shared_tokens
 from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
@@ -115,6 +115,9 @@ class StepPlan:
     decode: the round's lanes; widths[i]: 1 + the drafts lane i may accept; round_width: rows per lane of the verify forward (1, the block size W, or in a tree round
     the tree's nodes: each has a CUDA graph); tree_budget: the round verifies trees of that many nodes
     (0: chains). prefill_budget: the most prompt tokens the step could prefill (Scheduler.prefill_budget).
+    prefill_graph: (rows T, lanes) of the prefill graph that replays the step's chunks - those that score no
+    prompt (prompt logprobs are read from an eager forward of their own) - or None: they run eagerly
+    (Scheduler.prefill_graph). A runner without prefill graphs runs them eagerly whatever it says.
     """
 
     admitted: tuple[Sequence, ...] = ()
@@ -132,6 +135,7 @@ class StepPlan:
     round_width: int = 1
     tree_budget: int = 0
     prefill_budget: int = 0
+    prefill_graph: tuple[int, int] | None = None
 
     @property
     def runs_anything(self) -> bool:
@@ -140,12 +144,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, policy: WidthPolicy | None = None,
-                 tree_choice: TreeChoice | None = None, costs: RoundCosts | None = None):
+                 tree_choice: TreeChoice | None = None, costs: RoundCosts | None = None, dense_prefill: bool = False):
         """policy: chooses each round's width (load-adaptive speculation); None: the block, always.
         tree_choice: a tree engine's choice of trees or chains per round (config.costed_trees); None: the
         fixed rule (config.trees_for). costs: the rounds' costs, which scale the prefill budget beside a
-        speculative round (config.scale_prefill_budget); None: the budget is not scaled."""
+        speculative round (config.scale_prefill_budget); None: the budget is not scaled. dense_prefill: a
+        prompt's later chunk may attend over its gathered context (ModelRunner.dense_prefill), which only an
+        eager step does (prefill_graph)."""
         self.config, self.policy, self.tree_choice, self.costs = config, policy, tree_choice, costs
+        self.dense_prefill = dense_prefill
         self.pin = Pin()  # nothing pinned: the policy and the tree choice decide (see pinned)
         # the rows of prefill-graph work an eager prefill step's launching costs (ModelRunner.eager_prefill_rows;
         # measured on CUDA at start): 0 weighs an eager step by its rows alone, and prompts are then never cut
@@ -255,10 +262,35 @@ class Scheduler:
         prefill = tuple(self._prefill_chunks(budget, self.prefill_slack(budget, len(decode), round_width), fill))
         budget = max(budget, sum(len(c.tokens) for c in prefill))  # (the plan's: what the step could take)
         forks = self._forks(prefill, grants, passed) if not preempted else ()
+        graph = self.prefill_graph([c for c in prefill if c.seq.params.prompt_logprobs is None], alone=not decode)
         return StepPlan(admitted=tuple(admitted), cancelled=tuple(cancelled), preempted=tuple(preempted),
                         saves=saves, released=released, pages=tuple(grants), prefill=prefill, forks=tuple(forks),
                         restores=tuple(restores), snapshots=tuple(self._snapshots(prefill)),
-                        decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget, prefill_budget=budget)
+                        decode=tuple(decode), widths=tuple(widths), round_width=round_width, tree_budget=tree_budget,
+                        prefill_budget=budget, prefill_graph=graph)
+
+    def prefill_graph(self, chunks: list[PrefillChunk], alone: bool) -> tuple[int, int] | None:
+        """(rows T, lanes) of the prefill graph that replays `chunks` (`alone`: the step decodes nothing), or
+        None where they run eagerly: without prefill graphs, where no graph holds them or one would pad past
+        reason (prefill_graph_for, with the eager step's measured cost), and for a long prompt's long later
+        chunk at an idle engine, whose attention over its gathered context no graph can run
+        (long_chunk_runs_eagerly)."""
+        if not chunks or not self.config.prefill_graphs:
+            return None
+        one = chunks[0]
+        if self.dense_prefill and alone and len(chunks) == 1 and \
+                long_chunk_runs_eagerly(one.start, len(one.tokens), self.eager_prefill_rows):
+            return None
+        return prefill_graph_for([len(c.tokens) for c in chunks], self._graph_buckets(), self.eager_prefill_rows)
+
+    def _graph_sizes(self) -> tuple[int, int, int, int]:
+        """What the prefill graphs' shapes follow from (graphs.prefill_shapes, prefill_graph_buckets)."""
+        config = self.config
+        return config.round_prefill_tokens, config.max_slots, config.max_model_len, config.idle_prefill_tokens
+
+    def _graph_buckets(self) -> dict[int, tuple[int, ...]]:
+        """Each prefill graph shape's lane buckets: the runner captures the same table."""
+        return prefill_graph_buckets(*self._graph_sizes())
 
     def _kept_prefix(self, seq: Sequence) -> tuple[CachedPrompt | None, int]:
         """(the longest prompt the prefix cache keeps that `seq`'s tokens to prefill begin with, or None; the
@@ -516,7 +548,8 @@ class Scheduler:
         chunk the budget cuts grows to its graph's rows (prefill_tile; within config.round_prefill_tokens),
         prompt tokens in place of padding the replay would compute anyway - a 768-token cut of a long prompt
         replays the 1024-row graph, so it takes 1024 tokens for the same device time - where the step replays
-        a graph (pads_within_reason; not where its padding sends it down the eager path, where rows cost).
+        a graph (pads_within_reason, by the rule prefill_graph decides by; not where its padding sends it down
+        the eager path, where rows cost).
         With prefill graphs, several prompts are cut to the rows of a graph the step can replay
         (_graph_fit) where they would not fit one whole."""
         waiting = [seq for seq in self.running.values() if seq.status is Status.PREFILLING and seq.prompt_left > 0]
@@ -543,7 +576,8 @@ class Scheduler:
             if left - n <= slack and prefill_tile(left) == prefill_tile(n):
                 n = left  # (not where the whole would need a longer graph shape than the cut)
             elif fill and n < left and prefill_tile(n) <= self.config.round_prefill_tokens and \
-                    pads_within_reason(len(lens) + 1, prefill_tile(max(lens + [n])), sum(lens) + n):
+                    pads_within_reason(len(lens) + 1, prefill_tile(max(lens + [n])), sum(lens) + n,
+                                       self.eager_prefill_rows):
                 n = min(left, prefill_tile(n))
             lens.append(n)
             budget -= n
@@ -564,13 +598,10 @@ class Scheduler:
         where more), the one taking the most tokens is taken, the larger T among equals. Otherwise, and where
         the step replays a graph uncut, no cut. Each plan is played through _chunk_lens with the step's slack
         and fill, so the chunks scored are the chunks taken."""
-        config = self.config
-
         def step(rows: int, most: int) -> tuple[int, ...]:
             return tuple(self._chunk_lens(waiting, budget, rows, most, slack, fill))
 
-        sizes = config.round_prefill_tokens, config.max_slots, config.max_model_len, config.idle_prefill_tokens
-        shapes, buckets = prefill_shapes(*sizes), prefill_graph_buckets(*sizes)
+        shapes, buckets = prefill_shapes(*self._graph_sizes()), self._graph_buckets()
 
         def graph_rows(lens: tuple[int, ...]) -> int | None:
             """The rows the runner's graph for these chunks computes; None: the step runs eagerly."""

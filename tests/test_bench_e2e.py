@@ -112,6 +112,9 @@ def test_scripted_workload_without_corruption_accepts_and_is_lossless(tmp_path):
         slowest = pre["eager_slowest"]  # (every step eager here: the slowest of them, their prompt tokens)
         assert len(slowest) == min(8, pre["steps"]) and slowest[0]["ms"] >= pre["eager_step_p50_ms"]
         assert all(0 < s["prompt_tokens"] <= s["budget"] for s in slowest)
+        # each of a prompt's 6 tokens prefilled in one chunk (budget 512): a step's chunks are its prompts
+        assert all(s["chunks"] == s["prompt_tokens"] // 6 for s in slowest)
+        assert point["eager_prefill_rows"] == 0  # (measured on CUDA alone)
     assert (result["meta"]["max_num_batched_tokens"], result["meta"]["max_prefill_stall"]) == (512, 0.0)
     limit = result["figures"]["spec_c1_over_tau_weight_read_limit"]
     assert limit["value"] > 0 and limit["weight_read_ms"] > 0

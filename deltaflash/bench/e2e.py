@@ -252,8 +252,8 @@ def summarize(traces: list[Trace], steps: list, wall: float) -> dict:
     # the slowest eager steps, what the scheduler put in them (an eager step of a small model is host-bound)
     eager = sorted(((s, r) for s, r in prefilling if not r.prefill_graphed), key=lambda sr: -sr[0])[:8]
     out["prefill_steps"]["eager_slowest"] = [
-        {"ms": 1e3 * s, "prompt_tokens": r.prefill_tokens, "budget": r.prefill_budget, "admitted": r.admitted,
-         "decode_lanes": r.decode_lanes} for s, r in eager]
+        {"ms": 1e3 * s, "prompt_tokens": r.prefill_tokens, "chunks": r.prefill_chunks, "budget": r.prefill_budget,
+         "admitted": r.admitted, "decode_lanes": r.decode_lanes} for s, r in eager]
     return out
 
 
@@ -353,6 +353,8 @@ def _measure(engine: Engine, workload: Workload, concurrency: int, requests: int
     with kernel_loads() as loads:  # compiles inside the measured requests (should be none)
         traces, steps, wall = drive(engine, workload.prompts, workload.params, concurrency, requests)
     point = summarize(traces, steps, wall)
+    # what the scheduler weighs an eager prefill step at (graph rows; measured at start on CUDA, 0 elsewhere)
+    point["eager_prefill_rows"] = engine.scheduler.eager_prefill_rows
     point["kernel_loads"] = len(loads)
     point["kernels_loaded"] = sorted({name for name, _ in loads})
     point["accepted_lengths"] = [n for _, r in steps for n in r.accepted_lengths]

@@ -263,6 +263,7 @@ class StepReport:
     prefill_rows: int = 0  # rows its prefill computed: prompt tokens, or a replayed graph's padded lanes x T
     shared_prompt_tokens: int = 0  # prompt tokens of the sequences forked this step (not prefilled again)
     cached_prompt_tokens: int = 0  # prompt tokens the sequences admitted this step took from the prefix cache
+    prefill_chunks: int = 0  # prompt chunks its prefill ran (the lanes of its graph or eager batch, padding aside)
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,8 @@ class Engine:
                                  len(plan.preempted), used, total, tuple(s.request_id for s in admitted),
                                  result.prefill_graphed, result.device_idle_s, plan.tree_budget,
                                  plan.prefill_budget, result.prefill_rows,
-                                 sum(len(f.seq.prompt_ids) for f in plan.forks), sum(r.tokens for r in plan.restores)))
+                                 sum(len(f.seq.prompt_ids) for f in plan.forks), sum(r.tokens for r in plan.restores),
+                                 len(plan.prefill)))
         return events
 
     def _apply(self, plan: StepPlan, result: StepResult, events: list[StepEvent]) -> None:

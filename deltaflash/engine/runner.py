@@ -318,8 +318,9 @@ class ModelRunner:
     @torch.inference_mode()
     def eager_prefill_rows(self) -> float:
         """The rows of prefill-graph work that cost what an eager prefill step's launching does: a 64-row
-        eager prefill's wall time (host-bound: its launches, fla-core's per-call work) over the per-row time
-        of the largest prefill graph replayed whole (device-bound), both timed here on slot 0 and padding
+        eager prefill step's wall time (host-bound: its launches, fla-core's per-call work; the target's
+        forward and the draft context's append, as a step runs them) over the per-row time of the largest
+        prefill graph replayed whole (device-bound; the same work), both timed here on slot 0 and padding
         lanes (then reset). 0 without prefill graphs (CPU), and on tensor-parallel ranks (whose plans must
         not follow their own timings). The scheduler plans by it: it weighs cutting prompts to fit a graph
         against an eager step (Scheduler._graph_fit), lets a padded graph replay where the eager step costs
@@ -333,9 +334,7 @@ class ModelRunner:
         padding = (torch.zeros(lanes, T, dtype=torch.long, device=self.device),
                    *(torch.full((lanes,), v, dtype=torch.long, device=self.device) for v in (-1, 0, 0, 0)))
         seconds = []
-        for run in (lambda: self.model.extend(ExtendBatch.build([(0, 0, [0] * PREFILL_ROWS)], self.device), self.pool,
-                                              self.kernels, tap_layer_ids=self.tap_layer_ids),
-                    lambda: graphs.run(*padding)):
+        for run in (lambda: self._extend_lanes([(0, 0, [0] * PREFILL_ROWS)]), lambda: graphs.run(*padding)):
             for _ in range(2):  # the second of two runs
                 torch.cuda.synchronize(self.device)
                 t0 = time.perf_counter()
@@ -505,7 +504,12 @@ class ModelRunner:
     def _extend(self, chunks, all_hidden: bool = False) -> tuple[Tensor, ExtendBatch]:
         """The chunks' eager prefill forward, their rows appended to the draft context: (logits [n, V] of
         each chunk's last row, or with all_hidden every row's last hidden state [n, T, H]; the batch)."""
-        batch = ExtendBatch.build([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], self.device)
+        return self._extend_lanes([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], all_hidden)
+
+    def _extend_lanes(self, lanes: list[tuple[int, int, list[int]]], all_hidden: bool = False
+                      ) -> tuple[Tensor, ExtendBatch]:
+        """_extend's work for lanes of (slot, start, tokens)."""
+        batch = ExtendBatch.build(lanes, self.device)
         out, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids,
                                       all_hidden=all_hidden)
         self._append_prompt_rows(batch, taps)

@@ -33,19 +33,20 @@ except ImportError:  # trees before the core/ package
 
 
 class StandIn:
-    """A prefill graph of T rows that replays at once: logits of zeros for each lane."""
+    """A prefill graph of T rows that replays at once: zeros for each lane (its last row's hidden state
+    [width = H], or in trees before the runner projected the rows itself its logits [width = V])."""
 
-    def __init__(self, buckets: tuple[int, ...], vocab: int):
+    def __init__(self, buckets: tuple[int, ...], width: int):
         self.buckets, self.calls = buckets, 0
-        self.logits = torch.zeros(buckets[-1], vocab)
+        self.out = torch.zeros(buckets[-1], width)
 
     def run_host(self, *inputs):
         self.calls += 1
-        return (self.logits[:len(inputs[0])],)
+        return (self.out[:len(inputs[0])],)
 
     def run(self, *inputs):  # (trees before run_host)
         self.calls += 1
-        return (self.logits[:inputs[0].shape[0]],)
+        return (self.out[:inputs[0].shape[0]],)
 
 
 def main(argv: list[str] | None = None) -> dict[int, float]:
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     runner, config = engine.runner, engine.config
     buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots, config.max_model_len,
                                     config.idle_prefill_tokens)
-    runner.prefill_graphs = {T: StandIn(lanes, cfg.vocab_size) for T, lanes in buckets.items()}
+    width = cfg.hidden_size if hasattr(runner, "_prefill_hidden") else cfg.vocab_size
+    runner.prefill_graphs = {T: StandIn(lanes, width) for T, lanes in buckets.items()}
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_graphs=True)
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)

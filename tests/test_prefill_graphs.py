@@ -13,6 +13,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from triton.runtime.interpreter import InterpretedFunction
 
+from deltaflash.cache.slots import SlotPool
+from deltaflash.core.batch import ExtendBatch
 from deltaflash.core.request import SamplingParams
 from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_FINE_MIN_ROWS, PREFILL_MAX_ROWS, padded_rows_allowed,
                                       prefill_graph_buckets, prefill_graph_for, prefill_lane_buckets, prefill_shapes)
@@ -394,6 +396,54 @@ def test_preempted_sequences_resume_exactly_through_prefill_graphs(pair):
 
 @pytest.mark.skipif(DEVICE == "cpu" and not isinstance(paged_attention_kernel, InterpretedFunction),
                     reason="the Triton route on CPU needs TRITON_INTERPRET=1 before import")
+def test_only_the_rows_that_sample_a_token_are_projected_to_logits(pair):
+    """A prefill step projects to logits (lm_head: the whole vocabulary's weights) only the last rows of the chunks
+    that end their prompt, eagerly or from a prefill graph: a 150-token prompt and a 20-token one (first come, first
+    served) in steps of 64 tokens project nothing in the first two steps and two rows in the third, where both end.
+    The forward's last hidden rows give the logits it gave itself."""
+    config = dict(max_slots=2, max_num_batched_tokens=64, idle_prefill_tokens=64, scale_prefill_budget=False)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    batch = prompts(96, [150, 20], seed=13)
+    outputs = []
+    for graphs in (False, True):
+        engine = engine_for(pair[0], pair[1], **config, **({} if graphs else {"prefill_graphs": False}))
+        if graphs:
+            Replays(engine)
+        model, projected = engine.runner.model, []
+        project = model.logits
+
+        def counting(hidden, *args, **kwargs):
+            projected.append(hidden.shape[0])
+            return project(hidden, *args, **kwargs)
+
+        model.logits = counting
+        try:
+            ids = [engine.add_request(p, params) for p in batch]
+            rows, tokens = [], {i: [] for i in ids}
+            while engine.has_work():
+                projected.clear()
+                reports = []
+                for ev in engine.step(on_report=reports.append):
+                    tokens[ev.request_id] += ev.token_ids
+                if reports[0].prefill_tokens:
+                    rows.append((reports[0].prefill_tokens, sum(projected)))
+        finally:
+            del model.logits
+        outputs.append([tokens[i] for i in ids])
+        assert rows == [(64, 0), (64, 0), (22 + 20, 2)], (graphs, rows)
+    assert outputs[0] == outputs[1]
+    model, kernels = engine.runner.model, engine.runner.kernels
+    weight = model.embed_tokens.weight
+    out = []
+    with torch.inference_mode():
+        for last_hidden in (True, False):  # each on a pool of its own (its slots' own pages)
+            pool = SlotPool(model.cfg, 2, 64, weight.dtype, weight.device)
+            lanes = ExtendBatch.build([(0, 0, list(batch[1])), (1, 0, list(batch[0][:30]))], weight.device)
+            out.append(model.extend(lanes, pool, kernels, last_hidden=last_hidden)[0])
+        hidden, logits = out
+        assert hidden.shape == (2, model.cfg.hidden_size) and torch.equal(model.logits(hidden, kernels), logits)
+
+
 def test_prefill_graphs_on_the_fused_kernels(pair):
     """The fused kernel set (what the graphs capture on a GPU; interpreted on the CPU) over padded lanes and
     rows: the paged attention kernel reads no further than each lane's rows, padding lanes (slot -1)

@@ -58,7 +58,8 @@ class Engine:
             log.warning("max_model_len lowered from %d (the model's) to %d: the K/V page pool holds no more",
                         resolved.max_model_len, self.config.max_model_len)
         log.info(self.runner.page_plan.describe(self.config.max_model_len, self.config.block_size))
-        self.scheduler = Scheduler(self.config, self.runner.page_plan.num_pages, dense_prefill=self.runner.dense_prefill)
+        self.scheduler = Scheduler(self.config, self.runner.page_plan.num_pages,
+                                   dense_prefill=self.runner.dense_prefill)
         self._busy = False  # the engine had work when its last step ended (the device's wait is then the host's doing)
         t0 = time.perf_counter()
         self.runner.warm_up(progress)

@@ -448,12 +448,14 @@ class ModelRunner:
         eagerly), then fill the `forks`' slots from their leaders';
         returns (the first tokens [n, 1] of the chunks that complete their prompt and then of the forks, or
         None; the rows of the prefill graph that ran them, padding included, or 0 where they ran eagerly; the
-        prompt logprobs of chunks whose request asks for them, by chunk index: `_score_prompt`'s tensors)."""
+        prompt logprobs of chunks whose request asks for them, by chunk index: `_score_prompt`'s tensors). The
+        logits of the rows that sample a first token alone are computed (lm_head reads the whole vocabulary's
+        weights, ~2 GB at the 9B shape: a long prompt's chunks that do not end it skip it)."""
         scored = [i for i, c in enumerate(chunks) if c.seq.params.prompt_logprobs is not None]
         if scored:
-            logits, graphed, scores = self._prefill_scored(chunks, scored, graph)
+            hidden, graphed, scores = self._prefill_scored(chunks, scored, graph)
         else:
-            (logits, graphed), scores = self._prefill_logits(chunks, graph), {}
+            (hidden, graphed), scores = self._prefill_hidden(chunks, graph), {}
         if forks:
             self._fork(forks)
         done = [i for i, c in enumerate(chunks) if c.emits]
@@ -463,8 +465,9 @@ class ModelRunner:
         done += [f.chunk for f in forks]  # (a fork samples from its leader's last row)
         sampling = LaneSampling.build([s.params for s in seqs], [s.seed for s in seqs], [s.draws for s in seqs],
                                       self.device)
-        rows = logits if done == list(range(len(chunks))) else logits[to_device(done, self.device)]
-        rows = rows[:, None]  # [n, 1, V]
+        if done != list(range(len(chunks))):
+            hidden = hidden[to_device(done, self.device)]
+        rows = self.model.logits(hidden, self.kernels)[:, None]  # [n, 1, V]
         none = torch.zeros(len(done), dtype=torch.long, device=self.device)
         drafts = none[:, None][:, :0]
         return accept(rows, drafts, None, none, sampling, self._rules(seqs, drafts, 1), top_logprobs(seqs)), graphed, \
@@ -494,16 +497,17 @@ class ModelRunner:
             if self.source is not None:
                 self.source.copy_pages(pages)
 
-    def _prefill_logits(self, chunks: tuple[PrefillChunk, ...], graph: tuple[int, int] | None) -> tuple[Tensor, int]:
-        """(the logits [n, V] of each chunk's last row; the prefill graph's rows, or 0 where it ran eagerly):
-        replayed in `graph` where the runner has prefill graphs, else eagerly."""
+    def _prefill_hidden(self, chunks: tuple[PrefillChunk, ...], graph: tuple[int, int] | None) -> tuple[Tensor, int]:
+        """(the last hidden state [n, H] of each chunk's last row, before the final norm; the prefill graph's
+        rows, or 0 where it ran eagerly): replayed in `graph` where the runner has prefill graphs, else eagerly."""
         if graph is not None and self.prefill_graphs:
             return self._prefill_replay(chunks, graph)
         return self._extend(chunks)[0], 0
 
     def _extend(self, chunks, all_hidden: bool = False) -> tuple[Tensor, ExtendBatch]:
-        """The chunks' eager prefill forward, their rows appended to the draft context: (logits [n, V] of
-        each chunk's last row, or with all_hidden every row's last hidden state [n, T, H]; the batch)."""
+        """The chunks' eager prefill forward, their rows appended to the draft context: (the last hidden state
+        [n, H] of each chunk's last row, or with all_hidden of every row [n, T, H], before the final norm; the
+        batch)."""
         return self._extend_lanes([(c.seq.slot, c.start, list(c.tokens)) for c in chunks], all_hidden)
 
     def _extend_lanes(self, lanes: list[tuple[int, int, list[int]]], all_hidden: bool = False
@@ -511,24 +515,24 @@ class ModelRunner:
         """_extend's work for lanes of (slot, start, tokens)."""
         batch = ExtendBatch.build(lanes, self.device)
         out, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids,
-                                      all_hidden=all_hidden)
+                                      all_hidden=all_hidden, last_hidden=not all_hidden)
         self._append_prompt_rows(batch, taps)
         return out, batch
 
     def _prefill_scored(self, chunks: tuple[PrefillChunk, ...], scored: list[int], graph: tuple[int, int] | None):
         """_prefill's work where the chunks `scored` (indices) ask for prompt logprobs: those run eagerly in a
         forward of their own that keeps every row's hidden state, projected to logits and scored a block of
-        `scoring_rows` rows at a time (`_score_prompt`), the others as ever. Returns (last-row logits [n, V] in
-        chunk order, graph rows, scores by chunk index)."""
+        `scoring_rows` rows at a time (`_score_prompt`), the others as ever. Returns (last rows' hidden states
+        [n, H] in chunk order, graph rows, scores by chunk index)."""
         others = [i for i in range(len(chunks)) if i not in scored]
         parts, graphed = [], 0
         if others:
-            logits, graphed = self._prefill_logits(tuple(chunks[i] for i in others), graph)
-            parts.append(logits)
+            hidden, graphed = self._prefill_hidden(tuple(chunks[i] for i in others), graph)
+            parts.append(hidden)
         hidden, batch = self._extend([chunks[i] for i in scored], all_hidden=True)  # [L, T, H]
         scores = {i: self._score_prompt(chunks[i], hidden[j]) for j, i in enumerate(scored)}
         lanes = torch.arange(len(scored), device=self.device)
-        parts.append(self.model.logits(hidden[lanes, batch.n_rows - 1], self.kernels))
+        parts.append(hidden[lanes, batch.n_rows - 1])
         order = np.argsort(np.array(others + scored))  # chunk i's row in the concatenation
         return torch.cat(parts)[to_device(order, self.device)], graphed, {i: s for i, s in scores.items() if s}
 
@@ -560,16 +564,18 @@ class ModelRunner:
                       state_slots: Tensor, starts_sequences: bool = False) -> Tensor:
         """What a prefill graph captures: the target's forward of a fixed-shape batch (ExtendBatch.padded;
         `starts_sequences`: a first chunk's graph) and the drafter's context append of its rows. Returns the
-        logits [L, V] at each lane's last row."""
+        last hidden state [L, H] of each lane's last row (before the final norm: the runner projects the rows
+        that sample a token, _prefill)."""
         batch = ExtendBatch.padded(input_ids, slot_ids, start, n_rows, state_slots, starts_sequences)
-        logits, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids)
+        hidden, taps = self.model.extend(batch, self.pool, self.kernels, tap_layer_ids=self.tap_layer_ids,
+                                         last_hidden=True)
         self._append_prompt_rows(batch, taps, graphs=False)
-        return logits
+        return hidden
 
     def _prefill_replay(self, chunks: tuple[PrefillChunk, ...], graph: tuple[int, int]) -> tuple[Tensor, int]:
-        """The chunks' logits [n, V] and the graph's rows (lanes x T) from the prefill graph `graph` (T, lanes)
-        the scheduler chose for them (Scheduler.prefill_graph). Padding lanes keep their GDN state in the pool's
-        state sink."""
+        """The chunks' last hidden states [n, H] and the graph's rows (lanes x T) from the prefill graph `graph`
+        (T, lanes) the scheduler chose for them (Scheduler.prefill_graph). Padding lanes keep their GDN state in
+        the pool's state sink."""
         L = len(chunks)
         shape, lanes = graph
         graphs = self.prefill_graphs[shape]
@@ -582,10 +588,10 @@ class ModelRunner:
             row[:len(c.tokens)] = c.tokens
         per_lane = np.array([slots + [-1] * pad, [c.start for c in chunks] + [0] * pad,
                              [len(c.tokens) for c in chunks] + [0] * pad, slots + [sink] * pad], dtype=np.int64)
-        (logits,) = graphs.run_host(ids, *per_lane)  # one transfer into the graph's inputs
+        (hidden,) = graphs.run_host(ids, *per_lane)  # one transfer into the graph's inputs
         for c in chunks:  # what extend records from a batch's host mirrors
             self.pool.lengths[c.seq.slot] = c.start + len(c.tokens)
-        return logits[:L], lanes * shape
+        return hidden[:L], lanes * shape
 
     def _round(self, plan: StepPlan) -> tuple[_Round, list[float]]:
         seqs, W = plan.decode, plan.round_width

@@ -134,10 +134,12 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def extend(self, batch: ExtendBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(), all_logits: bool = False,
-               all_hidden: bool = False):
+               all_hidden: bool = False, last_hidden: bool = False):
         """Returns (logits fp32: [L, V] at each lane's last valid row, or [L, T, V] if all_logits, or with
         all_hidden every row's last hidden state [L, T, H] (before the final norm: `logits` projects any
-        rows of it, a few at a time where every row's logits would not fit); taps [L, T, n_taps*H] or None).
+        rows of it, a few at a time where every row's logits would not fit), or with last_hidden that of each
+        lane's last valid row [L, H] (the caller projects the rows whose logits it needs); taps [L, T, n_taps*H]
+        or None).
         A fixed-shape batch (ExtendBatch.padded) syncs nothing: CUDA-graph safe."""
         x = self.vocab.embed(batch.input_ids)
         rope = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
@@ -165,7 +167,7 @@ class Qwen35Model(nn.Module):
             return x, taps
         if not trim and not every:
             x = rows_at(x, last)[:, 0]
-        return self.logits(x, kernels), taps
+        return (x if last_hidden else self.logits(x, kernels)), taps
 
     @torch.inference_mode()
     def verify(self, batch: VerifyBatch, pool: SlotPool, kernels: Kernels, tap_layer_ids=(),

@@ -46,19 +46,21 @@ def decoding_engine(model, lanes: int, width: int, prompt_len: int, max_len: int
 
 @contextlib.contextmanager
 def _prefill_skipped(engine):
-    """Inside: a prefill chunk records its lanes' lengths and returns logits of zeros (eagerly: no
-    prefill graph, which holds the real forward)."""
+    """Inside: a prefill chunk records its lanes' lengths and returns zeros for each lane's last row, its
+    hidden state or its logits (eagerly: no prefill graph, which holds the real forward)."""
     runner, model = engine.runner, engine.runner.model
     graphs = runner.prefill_graphs
 
-    def extend(batch, pool, kernels, tap_layer_ids=(), all_logits=False, all_hidden=False):
+    def extend(batch, pool, kernels, tap_layer_ids=(), all_logits=False, all_hidden=False, last_hidden=False):
         if all_logits or all_hidden:
             raise ValueError("a skipped prefill returns each lane's last row alone")
         for slot, start, n in zip(batch.slot_ids_host, batch.start_host, batch.n_rows_host):
             if slot >= 0:
                 pool.lengths[slot] = start + n
         L = batch.input_ids.shape[0]
-        return torch.zeros(L, model.cfg.vocab_size, device=batch.input_ids.device), None
+        width = model.cfg.hidden_size if last_hidden else model.cfg.vocab_size
+        return torch.zeros(L, width, device=batch.input_ids.device, dtype=model.embed_tokens.weight.dtype
+                           if last_hidden else torch.float32), None
 
     runner.prefill_graphs, model.extend = {}, extend
     try:

@@ -58,9 +58,10 @@ def _prefill_skipped(engine):
             if slot >= 0:
                 pool.lengths[slot] = start + n
         L = batch.input_ids.shape[0]
-        width = model.cfg.hidden_size if last_hidden else model.cfg.vocab_size
-        return torch.zeros(L, width, device=batch.input_ids.device, dtype=model.embed_tokens.weight.dtype
-                           if last_hidden else torch.float32), None
+        device = batch.input_ids.device
+        if last_hidden:  # (the runner projects the rows it samples from)
+            return torch.zeros(L, model.cfg.hidden_size, device=device, dtype=model.embed_tokens.weight.dtype), None
+        return torch.zeros(L, model.cfg.vocab_size, device=device), None
 
     runner.prefill_graphs, model.extend = {}, extend
     try:

@@ -23,9 +23,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from deltaflash.ops.attention import dense as dense_attention
-
 from deltaflash.core.batch import PinnedStaging
+from deltaflash.ops.attention import dense as dense_attention
 
 LANE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_ROWS = 64     # the chunked GDN kernels' chunk: prefill graph shapes are multiples of it
@@ -149,6 +148,13 @@ def long_chunk_runs_eagerly(start: int, rows: int, eager_rows: float = 0.0) -> b
     it costs) outweighs its rows below EAGER_DENSE_ALWAYS_CONTEXT keys."""
     return start >= EAGER_DENSE_MIN_CONTEXT and rows >= EAGER_DENSE_MIN_ROWS and dense_attention.gathers(start, rows) \
         and (rows >= eager_rows or start >= EAGER_DENSE_ALWAYS_CONTEXT)
+
+
+def prefill_graph_sizes(config) -> tuple[int, int, int, int]:
+    """What an engine's prefill graph shapes follow from (prefill_shapes, prefill_graph_buckets), from its
+    EngineConfig: the most prompt tokens beside a round, the slots, max_model_len, the idle budget. The runner
+    captures the graphs and the scheduler plans steps by the same sizes."""
+    return config.round_prefill_tokens, config.max_slots, config.max_model_len, config.idle_prefill_tokens
 
 
 @functools.cache  # (the scheduler plans by it at each step that prefills several prompts)

@@ -30,7 +30,7 @@ from deltaflash.core.batch import CommitPlan, ExtendBatch, VerifyBatch, VerifyOu
 from deltaflash.core.request import MAX_LOGPROBS, RoundPhases, TokenLogprob
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (FRESH_PREFILL_MIN_ROWS, PREFILL_ROWS, CudaGraphs, buckets_for,
-                                      prefill_graph_buckets, prefill_shapes)
+                                      prefill_graph_buckets, prefill_graph_sizes, prefill_shapes)
 from deltaflash.engine.memory import CPU_KV_BYTES, PagePlan, cuda_budget, plan_pages
 from deltaflash.engine.scheduler import Fork, PrefillChunk, Restore, StepPlan
 from deltaflash.models.layers import is_routed, route_products
@@ -204,9 +204,7 @@ class ModelRunner:
         self.fresh_prefill_graphs = {}  # the same for first chunks, at the larger T (graphs.FRESH_PREFILL_MIN_ROWS)
         if self.graphs is not None and config.prefill_graphs:
             # T -> lane buckets of the prefill graph shapes (the scheduler plans steps by the same table)
-            prefill_buckets = prefill_graph_buckets(config.round_prefill_tokens, config.max_slots,
-                                                    config.max_model_len, config.idle_prefill_tokens)
-            for T, buckets in prefill_buckets.items():
+            for T, buckets in prefill_graph_buckets(*prefill_graph_sizes(config)).items():
                 inputs = ((T,), torch.long, 0), ((), torch.long, -1), ((), torch.long, 0), ((), torch.long, 0), \
                     ((), torch.long, self.pool.state_sink)
                 self.prefill_graphs[T] = self.graphs.add(f"prefill of {T} rows", self._prefill_rows, inputs,

@@ -35,7 +35,7 @@ from deltaflash.cache.slots import SlotTable
 from deltaflash.core.request import Sequence, Status
 from deltaflash.engine.config import EngineConfig
 from deltaflash.engine.graphs import (PREFILL_ROWS, long_chunk_runs_eagerly, pads_within_reason, prefill_graph_buckets,
-                                      prefill_graph_for, prefill_shapes, prefill_tile)
+                                      prefill_graph_for, prefill_graph_sizes, prefill_shapes, prefill_tile)
 from deltaflash.engine.prefix_cache import MIN_TOKENS, CachedPrompt, PrefixCache, shared_tokens
 from deltaflash.engine.shares import PromptShares
 from deltaflash.speculative.policy import RoundCosts, TreeChoice, WidthPolicy
@@ -283,14 +283,9 @@ class Scheduler:
             return None
         return prefill_graph_for([len(c.tokens) for c in chunks], self._graph_buckets(), self.eager_prefill_rows)
 
-    def _graph_sizes(self) -> tuple[int, int, int, int]:
-        """What the prefill graphs' shapes follow from (graphs.prefill_shapes, prefill_graph_buckets)."""
-        config = self.config
-        return config.round_prefill_tokens, config.max_slots, config.max_model_len, config.idle_prefill_tokens
-
     def _graph_buckets(self) -> dict[int, tuple[int, ...]]:
         """Each prefill graph shape's lane buckets: the runner captures the same table."""
-        return prefill_graph_buckets(*self._graph_sizes())
+        return prefill_graph_buckets(*prefill_graph_sizes(self.config))
 
     def _kept_prefix(self, seq: Sequence) -> tuple[CachedPrompt | None, int]:
         """(the longest prompt the prefix cache keeps that `seq`'s tokens to prefill begin with, or None; the
@@ -601,7 +596,7 @@ class Scheduler:
         def step(rows: int, most: int) -> tuple[int, ...]:
             return tuple(self._chunk_lens(waiting, budget, rows, most, slack, fill))
 
-        shapes, buckets = prefill_shapes(*self._graph_sizes()), self._graph_buckets()
+        shapes, buckets = prefill_shapes(*prefill_graph_sizes(self.config)), self._graph_buckets()
 
         def graph_rows(lens: tuple[int, ...]) -> int | None:
             """The rows the runner's graph for these chunks computes; None: the step runs eagerly."""

@@ -341,7 +341,13 @@ def test_prefill_shapes_cover_the_step_budget():
     assert prefill_shapes(512, 8, 4096, 2048) == ((64, 8), (128, 8), (256, 4), (512, 2), (1024, 1), (2048, 1))
     assert prefill_shapes(100, 8, 600, 2048) == ((64, 4), (128, 2), (256, 1), (512, 1), (1024, 1))
     assert prefill_shapes(512, 8, 4096, 256) == prefill_shapes(512, 8, 4096)
-    for budget in (100, 512, 8192):  # a full step of the widest chunks fits the widest shape's lanes
+    # a budget between two powers of two is a shape of its own (its chunks beside a round do not pad to the next)
+    assert prefill_shapes(384, 8, 4096) == ((64, 8), (128, 4), (256, 2), (384, 2))
+    assert prefill_shapes(384, 8, 4096, 2048) == ((64, 8), (128, 4), (256, 2), (384, 2), (512, 1), (1024, 1),
+                                                  (2048, 1))
+    assert prefill_shapes(400, 8, 300, 2048) == ((64, 8), (128, 4), (256, 2), (448, 1))  # 400 rows: 7 x 64
+    assert prefill_graph_for([384, 384], prefill_graph_buckets(384, 8, 4096, 2048)) == (384, 2)
+    for budget in (100, 384, 512, 8192):  # a full step of the widest chunks fits the widest shape's lanes
         shapes = prefill_shapes(budget, 64, 100_000)
         T, lanes = shapes[-1]
         assert T >= min(budget, PREFILL_MAX_ROWS) and lanes * T <= padded_rows_allowed(budget)

@@ -170,19 +170,28 @@ def prefill_graph_buckets(budget: int, max_slots: int, max_model_len: int, idle_
 def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget: int = 0
                    ) -> tuple[tuple[int, int], ...]:
     """(rows T, most lanes) of each prefill graph: T = 64, 128, ... up to the step budget (and the
-    longest prompt, at most PREFILL_MAX_ROWS). A step holds at most `budget` rows and may replay a shape
-    padding it to about twice that (pads_within_reason), so shape T has the largest lane bucket of at
-    most padded_rows_allowed(budget) / T lanes (at least one, at most max_slots): three chunks of 170 rows
-    fit 4 x 256. Above the budget, up to `idle_budget` (the rows of a step with nothing decoding: one
-    prompt arriving at an idle engine, mostly), one lane each."""
-    shapes, T = [], PREFILL_ROWS
+    longest prompt, at most PREFILL_MAX_ROWS), and the budget itself (rounded up to a multiple of 64) where
+    it falls between two of them: a long prompt's chunks beside a round are the budget's size, and a budget
+    of 384 rows padded to 512 would stall the running streams as long as a budget of 512. A step holds at
+    most `budget` rows and may replay a shape padding it to about twice that (pads_within_reason), so shape
+    T has the largest lane bucket of at most padded_rows_allowed(budget) / T lanes (at least one, at most
+    max_slots): three chunks of 170 rows fit 4 x 256. Above the budget, up to `idle_budget` (the rows of a
+    step with nothing decoding: one prompt arriving at an idle engine, mostly), one lane each."""
+    sizes, T = [], PREFILL_ROWS
     top = min(max(budget, idle_budget), max_model_len, PREFILL_MAX_ROWS)
     while True:
+        sizes.append(T)
+        if T >= top:
+            break
+        T *= 2
+    chunk = -(-budget // PREFILL_ROWS) * PREFILL_ROWS  # the budget's own chunk
+    if chunk < sizes[-1] and chunk not in sizes:  # (where it reaches the top, the power of two above holds none)
+        sizes = sorted({T for T in sizes if T < chunk or chunk < top} | {chunk})
+    shapes = []
+    for T in sizes:
         fit = max((b for b in LANE_BUCKETS if b * T <= padded_rows_allowed(budget)), default=1)
         shapes.append((T, min(fit, max_slots) if T < 2 * budget else 1))
-        if T >= top:
-            return tuple(shapes)
-        T *= 2
+    return tuple(shapes)
 
 
 class LaneGraphs:

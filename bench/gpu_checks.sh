@@ -9,7 +9,7 @@
 # treeround treedemo invariance stepprofile prefillattn chunkprofile serveoverlap itl2k ttft model capacity tp savecache
 # longctxfast graphlaunch roundgraphs treestep treegraphs treepair randomdraft verifytrees prefillscale specdefault
 # treeprofile treedefault treeops firstpair rgdemo rgprofile rg64 treechoice prefillstacks graphlaunch9b gemmgraphs swiglu
-# tunefla ttfttable demodefault forks turns system burst (bench/h200_owed.sh runs the figures the issues still owe, in two calls)
+# tunefla ttfttable demodefault forks turns system burst streamoverlap (bench/h200_owed.sh runs the figures the issues still owe, in two calls)
 # (tp: the 27B shape's round at TP 1 and
 # TP_SIZES, default "2 4", on a multi-GPU kind). PYTEST_ARGS="-n 8" spreads the test steps over workers. LIMIT_<STEP>=seconds
 # overrides a limit; TESTS="file::test ..." runs those tests instead of the kernel and graph test files.
@@ -236,6 +236,7 @@ for step in "$@"; do
                            --max-prefill-stall $stall --out "$OUT/itl2k-$budget-stall$stall" --quiet
                    done
                done ;;
+        streamoverlap) run streamoverlap 240 python3 bench/stream_overlap.py ;;  # a step's chunk and round on two streams
         prefillattn) run prefillattn 60 python3 bench/prefill_attention.py ;;  # paged kernel vs the dense route
         chunkprofile) run chunkprofile 150 python3 bench/step_profile.py --shape 9b --ttft 2048 --steps 10 ;;  # issue 15
         prefillstacks) DELTAFLASH_NO_PREFILL_GRAPHS=1 run prefillstacks 150 python3 bench/step_profile.py --shape 9b \

@@ -61,9 +61,12 @@ EAGER_DENSE_ALWAYS_CONTEXT = 16384
 PREFILL_FINE_MIN_ROWS = 128
 
 
-def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn, pool=None, warmups: int = 2, stream: torch.cuda.Stream | None = None
+            ) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, fn's output): fn run `warmups` times on a side stream (Triton compiles, cuBLAS picks
-    its kernels, outside the capture), then captured once into `pool`. The garbage collector is held off
+    its kernels, outside the capture), then captured once into `pool`, on `stream` (default: torch's one capture
+    stream, whose cuBLAS workspace every graph captured on it shares: graphs that may run at once need their
+    own capture streams, and their own pools). The garbage collector is held off
     during the capture (torch.cuda.graph collects once before it): an object collected mid-capture may
     free a CUDA resource (an event, pinned host memory, an earlier graph), a call a capturing process may
     not make, which voids the capture ("operation failed due to a previous error during capture": one
@@ -78,7 +81,7 @@ def capture(fn, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, obje
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = fn()
     finally:
         if collecting:

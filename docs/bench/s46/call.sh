@@ -7,6 +7,8 @@
 #   in every prefill step) at 512.
 # PART 3: the demo pair at every load (issue 16's C = 64 point) and the TTFT table (issue 15).
 # PART 4: bench/h200_owed.sh 1 on an H200 (the skinny table and the one-lane round).
+# PART 5: bench/stream_overlap.py: a 512 / 256-row prefill graph and the decode graph one after the other and on
+#   two streams (whether a step's chunk and round should overlap).
 PART=${1:-1}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $name; $(date -u)"
@@ -34,5 +36,6 @@ case $PART in
      grep -E "^=== " "$OUT/log.txt" | tail -8 ;;
   4) [[ $name == *H200* ]] && exec bash bench/h200_owed.sh "$OUT" 1
      echo "not an H200: the skinny table is the H200's" ;;
+  5) checks streamoverlap; grep -E "rows|engine" "$OUT/log.txt" | tail -6 ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

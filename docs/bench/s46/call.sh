@@ -3,7 +3,7 @@
 # PART 1: docs/bench/cpu-s45/call.sh 1 (the CUDA suites of s44 / s45's code; the Triton cache on an H200).
 # PART 2: issue 15's streams and the demo pair: 2048-token prompts at C = 8 and 32 with the default budget (512) and
 #   with 384 - a shape of its own since this session (graphs.prefill_shapes), where it padded to 512 before; then,
-#   as the ten minutes allow, the demo pair at every load and at C = 8 the tree of 5ca6853 (.out/s45-base: lm_head
+#   as the ten minutes allow, the demo pair at every load, part 5 and at C = 8 the tree of 5ca6853 (.out/s45-base: lm_head
 #   in every prefill step) at 512.
 # PART 3: the demo pair at every load (issue 16's C = 64 point) and the TTFT table (issue 15).
 # PART 4: bench/h200_owed.sh 1 on an H200 (the skinny table and the one-lane round).
@@ -27,6 +27,7 @@ case $PART in
      summary "$OUT"/itl2k-*/e2e-scripted.json
      # then, as the call's ten minutes allow: the demo pair (part 3's first half), the lm_head comparison
      (( SECONDS < 380 )) && LIMIT_DEMODEFAULT=150 checks demodefault
+     (( SECONDS < 440 )) && LIMIT_STREAMOVERLAP=100 checks streamoverlap
      (( SECONDS < 470 )) && (cd .out/s45-base && ln -sfn ../../.whl .whl && ln -sfn ../../.tcache .tcache && \
         ITL_CONCURRENCY=8 LIMIT_ITL2K=100 bash bench/gpu_checks.sh "$OUT/base" itl2k)
      summary "$OUT"/base/itl2k-*/e2e-scripted.json 2>/dev/null

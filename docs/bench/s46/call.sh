@@ -25,10 +25,11 @@ case $PART in
   1) exec bash docs/bench/cpu-s45/call.sh 1 ;;
   2) ITL_BUDGETS="512 384" ITL_CONCURRENCY="8 32" LIMIT_ITL2K=150 checks itl2k
      summary "$OUT"/itl2k-*/e2e-scripted.json
-     # then, as the call's ten minutes allow: the demo pair (part 3's first half), the lm_head comparison
-     (( SECONDS < 380 )) && LIMIT_DEMODEFAULT=150 checks demodefault
-     (( SECONDS < 440 )) && LIMIT_STREAMOVERLAP=100 checks streamoverlap
-     (( SECONDS < 470 )) && (cd .out/s45-base && ln -sfn ../../.whl .whl && ln -sfn ../../.tcache .tcache && \
+     # then, as the call allows (DEADLINE: its limit): part 5, the demo pair (part 3), the lm_head comparison
+     end=${DEADLINE:-580}  # (the call's limit, seconds)
+     (( SECONDS < end - 200 )) && LIMIT_STREAMOVERLAP=100 checks streamoverlap
+     (( SECONDS < end - 160 )) && LIMIT_DEMODEFAULT=150 checks demodefault
+     (( SECONDS < end - 110 )) && (cd .out/s45-base && ln -sfn ../../.whl .whl && ln -sfn ../../.tcache .tcache && \
         ITL_CONCURRENCY=8 LIMIT_ITL2K=100 bash bench/gpu_checks.sh "$OUT/base" itl2k)
      summary "$OUT"/base/itl2k-*/e2e-scripted.json 2>/dev/null
      grep -E "^=== " "$OUT/log.txt" | tail -8 ;;

@@ -250,8 +250,7 @@ class ModelRunner:
         W, lanes = config.block_size, buckets_for(config.max_slots)[-1]
         rows = config.idle_prefill_tokens
         if config.prefill_graphs:
-            rows = max(rows, *(T * n for T, n in prefill_shapes(config.round_prefill_tokens, config.max_slots,
-                                                               config.max_model_len, rows)))
+            rows = max(rows, *(T * n for T, n in prefill_shapes(*prefill_graph_sizes(config))))
         chunk = min(rows, config.max_model_len)
         probe = SlotPool(self.cfg, min(config.max_slots, lanes), chunk + W, self.dtype, self.device, config.page_size)
         source = None

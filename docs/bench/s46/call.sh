@@ -23,7 +23,7 @@ summary() {
 }
 case $PART in
   1) exec bash docs/bench/cpu-s45/call.sh 1 ;;
-  2) ITL_BUDGETS="512 384" ITL_CONCURRENCY="8 32" LIMIT_ITL2K=150 checks itl2k
+  2) ITL_BUDGETS="512 384" ITL_CONCURRENCY=${ITL_CONCURRENCY:-8 32} LIMIT_ITL2K=150 checks itl2k
      summary "$OUT"/itl2k-*/e2e-scripted.json
      # then, as the call allows (DEADLINE: its limit): part 5, the demo pair (part 3), the lm_head comparison
      end=${DEADLINE:-580}  # (the call's limit, seconds)

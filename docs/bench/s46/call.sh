@@ -27,7 +27,7 @@ case $PART in
      summary "$OUT"/itl2k-*/e2e-scripted.json
      # then, as the call allows (DEADLINE: its limit): part 5, the demo pair (part 3), the lm_head comparison
      end=${DEADLINE:-580}  # (the call's limit, seconds)
-     (( SECONDS < end - 200 )) && LIMIT_STREAMOVERLAP=100 checks streamoverlap
+     (( SECONDS < end - 100 )) && LIMIT_STREAMOVERLAP=90 checks streamoverlap
      (( SECONDS < end - 160 )) && LIMIT_DEMODEFAULT=150 checks demodefault
      (( SECONDS < end - 110 )) && (cd .out/s45-base && ln -sfn ../../.whl .whl && ln -sfn ../../.tcache .tcache && \
         ITL_CONCURRENCY=8 LIMIT_ITL2K=100 bash bench/gpu_checks.sh "$OUT/base" itl2k)

@@ -1,5 +1,5 @@
 # The forty-sixth session's device calls (carry [".whl", ".out", ".tcache"]):
-#   bash docs/bench/s46/call.sh PART
+#   bash docs/bench/cpu-s46/call.sh PART
 # PART 1: docs/bench/cpu-s45/call.sh 1 (the CUDA suites of s44 / s45's code; the Triton cache on an H200).
 # PART 2: issue 15's streams and the demo pair: 2048-token prompts at C = 8 and 32 with the default budget (512) and
 #   with 384 - a shape of its own since this session (graphs.prefill_shapes), where it padded to 512 before; then,

@@ -17,21 +17,16 @@ changes: the figure says whether the engine should.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from deltaflash.bench.common import time_ms
+
 
 def median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps + 3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[3:])
+    """CUDA events around fn() on the current stream (the two-stream run joins it before its end event), the
+    device idle before each."""
+    return time_ms(fn, iters=reps, before=torch.cuda.synchronize)
 
 
 def main() -> None:

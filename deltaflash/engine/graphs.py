@@ -188,8 +188,9 @@ def prefill_shapes(budget: int, max_slots: int, max_model_len: int, idle_budget:
             break
         T *= 2
     chunk = -(-budget // PREFILL_ROWS) * PREFILL_ROWS  # the budget's own chunk
-    if chunk < sizes[-1] and chunk not in sizes:  # (where it reaches the top, the power of two above holds none)
-        sizes = sorted({T for T in sizes if T < chunk or chunk < top} | {chunk})
+    if chunk < sizes[-1] and chunk not in sizes:
+        above = [T for T in sizes if T > chunk] if chunk < top else []  # (a budget at the top: none holds a chunk)
+        sizes = [T for T in sizes if T < chunk] + [chunk] + above
     shapes = []
     for T in sizes:
         fit = max((b for b in LANE_BUCKETS if b * T <= padded_rows_allowed(budget)), default=1)
